@@ -1,0 +1,501 @@
+"""The config schema: every key diffrl reads, its type, its default and its allowed values.
+
+Defaults live here and only here; YAML presets and `key=value` overrides change them. Each section
+validates its own ranges in `validate(at)` (`at` is the section's dotted path, so errors name the
+full key); `Config.validate()` adds the rules that span sections. Values derived from several keys
+(images per step, the SDE window, the world size) are properties computed here, never stored.
+
+The defaults are a GPU-scale Flow-GRPO recipe (the SD3.5-Medium numbers of ALGORITHMS.md); the
+`default` preset shrinks them to the CPU demo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from diffrl.sde import SDE_KINDS
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key, the value and what is allowed."""
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def _require_choice(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    _require(value in choices, key, value, f"must be one of {', '.join(map(repr, choices))}")
+
+
+def _require_positive(key: str, value: float) -> None:
+    _require(value > 0, key, value, "must be > 0")
+
+
+def _require_at_least(key: str, value: float, low: float) -> None:
+    _require(value >= low, key, value, f"must be >= {low}")
+
+
+# --------------------------------------------------------------------------------------- model
+@dataclass
+class LoraConfig:
+    rank: int = 32  # 0 = full fine-tuning (no adapters; a frozen reference copy serves KL)
+    alpha: float = 64.0
+    target_modules: list[str] | None = None  # None = the model adapter's declared defaults
+    init: str = "gaussian"  # peft's init_lora_weights
+
+    INITS = ("default", "gaussian", "pissa", "olora")
+
+    def validate(self, at: str) -> None:
+        _require_at_least(f"{at}.rank", self.rank, 0)
+        _require_positive(f"{at}.alpha", self.alpha)
+        if self.target_modules is not None:
+            _require(
+                len(self.target_modules) > 0,
+                f"{at}.target_modules",
+                self.target_modules,
+                "must list at least one module name, or be null for the model's defaults",
+            )
+        _require_choice(f"{at}.init", self.init, self.INITS)
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local diffusers directory (model_index.json inside)
+    dtype: str = "bfloat16"  # the network's compute dtype; SDE math and stored latents are fp32
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+    attn_backend: str = "native"  # a diffusers attention backend name
+
+    DTYPES = ("float32", "bfloat16", "float16")
+
+    def validate(self, at: str) -> None:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        _require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
+        self.lora.validate(f"{at}.lora")
+        _require_choice(f"{at}.attn_backend", self.attn_backend, [b.value for b in AttentionBackendName])
+
+
+# ------------------------------------------------------------------------------------- rollout
+@dataclass
+class PipelineConfig:
+    height: int = 512
+    width: int = 512
+    num_inference_steps: int = 10
+    guidance_scale: float = 4.5  # standard CFG; 1.0 disables CFG (one forward pass per step)
+    true_cfg_scale: float | None = None  # Qwen-Image's true CFG with norm rescale; null = off
+    max_sequence_length: int = 256  # text tokens
+    num_frames: int = 1  # > 1 only for video families (Wan)
+    negative_prompt: str = ""
+
+    def validate(self, at: str) -> None:
+        for name in ("height", "width", "num_inference_steps", "max_sequence_length", "num_frames"):
+            _require_at_least(f"{at}.{name}", getattr(self, name), 1)
+        _require_at_least(f"{at}.guidance_scale", self.guidance_scale, 0.0)
+        if self.true_cfg_scale is not None:
+            _require_at_least(f"{at}.true_cfg_scale", self.true_cfg_scale, 1.0)
+
+
+@dataclass
+class SdeConfig:
+    type: str = "sde"  # the SDE used inside the window: sde (Flow-GRPO), cps, dance_sde
+    noise_level: float = 0.7  # η
+    window_size: int | None = None  # W consecutive SDE steps; null = every step of window_range
+    window_range: list[int] | None = None  # [lo, hi) of steps the window may occupy; null = all steps
+    window_strategy: str = "random"  # random: k0 ~ U{lo..hi-W} per step; progressive: MixGRPO
+    iters_per_group: int = 1  # progressive: training steps before the window moves on
+
+    TYPES = tuple(kind for kind in SDE_KINDS if kind != "ode")
+    STRATEGIES = ("random", "progressive")
+
+    def validate(self, at: str) -> None:
+        _require_choice(f"{at}.type", self.type, self.TYPES)
+        _require(
+            self.noise_level > 0,
+            f"{at}.noise_level",
+            self.noise_level,
+            "must be > 0 (the SDE needs noise to have log-probabilities; validation uses rollout.val.noise_level)",
+        )
+        if self.window_size is not None:
+            _require_at_least(f"{at}.window_size", self.window_size, 1)
+        if self.window_range is not None:
+            _require(
+                len(self.window_range) == 2 and 0 <= self.window_range[0] < self.window_range[1],
+                f"{at}.window_range",
+                self.window_range,
+                "must be [lo, hi) with 0 <= lo < hi (step indices), or null for all steps",
+            )
+        _require_choice(f"{at}.window_strategy", self.window_strategy, self.STRATEGIES)
+        _require_at_least(f"{at}.iters_per_group", self.iters_per_group, 1)
+
+
+@dataclass
+class ValidationConfig:
+    n: int = 1  # samples per validation prompt
+    seed: int = 0  # fixed, so every validation of a run sees the same initial noise
+    num_inference_steps: int | None = None  # null = rollout.pipeline.num_inference_steps
+    noise_level: float = 0.0  # 0 = the deterministic ODE sampler
+
+    def validate(self, at: str) -> None:
+        _require_at_least(f"{at}.n", self.n, 1)
+        _require_at_least(f"{at}.seed", self.seed, 0)
+        if self.num_inference_steps is not None:
+            _require_at_least(f"{at}.num_inference_steps", self.num_inference_steps, 1)
+        _require_at_least(f"{at}.noise_level", self.noise_level, 0.0)
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 16  # samples per prompt (the GRPO group size)
+    micro_batch_size: int = 16  # (prompt, sample) pairs per sampler forward, per worker
+    seed: int | None = None  # null = trainer.seed
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    sde: SdeConfig = field(default_factory=SdeConfig)
+    val: ValidationConfig = field(default_factory=ValidationConfig)
+
+    def validate(self, at: str) -> None:
+        _require_at_least(f"{at}.n", self.n, 1)
+        _require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
+        if self.seed is not None:
+            _require_at_least(f"{at}.seed", self.seed, 0)
+        self.pipeline.validate(f"{at}.pipeline")
+        self.sde.validate(f"{at}.sde")
+        self.val.validate(f"{at}.val")
+        steps = self.pipeline.num_inference_steps
+        lo, hi = self.sde_window_range
+        _require(
+            hi <= steps,
+            f"{at}.sde.window_range",
+            self.sde.window_range,
+            f"must end at or before rollout.pipeline.num_inference_steps={steps}",
+        )
+        _require(
+            self.sde_window_size <= hi - lo,
+            f"{at}.sde.window_size",
+            self.sde.window_size,
+            f"must be <= the window range's length {hi - lo} (range [{lo}, {hi}) of "
+            f"rollout.pipeline.num_inference_steps={steps})",
+        )
+
+    @property
+    def sde_window_range(self) -> tuple[int, int]:
+        """[lo, hi) of denoising steps the SDE window may occupy."""
+        if self.sde.window_range is None:
+            return 0, self.pipeline.num_inference_steps
+        lo, hi = self.sde.window_range
+        return lo, hi
+
+    @property
+    def sde_window_size(self) -> int:
+        """W: SDE (and trained) steps per trajectory."""
+        lo, hi = self.sde_window_range
+        return self.sde.window_size if self.sde.window_size is not None else hi - lo
+
+
+# --------------------------------------------------------------------------------------- actor
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    clip_grad: float | None = 1.0  # max gradient norm; null = no clipping
+    scheduler: str = "constant"
+    warmup_steps: int = 0  # linear warmup, in optimizer steps, before the scheduler's shape
+
+    SCHEDULERS = ("constant", "cosine", "linear")
+
+    def validate(self, at: str) -> None:
+        _require_positive(f"{at}.lr", self.lr)
+        _require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            f"{at}.betas",
+            self.betas,
+            "must be two numbers in [0, 1), e.g. [0.9, 0.999]",
+        )
+        _require_at_least(f"{at}.weight_decay", self.weight_decay, 0.0)
+        _require_positive(f"{at}.eps", self.eps)
+        if self.clip_grad is not None:
+            _require_positive(f"{at}.clip_grad", self.clip_grad)
+        _require_choice(f"{at}.scheduler", self.scheduler, self.SCHEDULERS)
+        _require_at_least(f"{at}.warmup_steps", self.warmup_steps, 0)
+
+
+@dataclass
+class LossConfig:
+    mode: str = "flow_grpo"  # a registered loss (diffrl.algos)
+    clip_ratio: float = 1e-4  # PPO ε on the per-element-averaged log-prob ratio
+    adv_clip_max: float = 5.0  # advantages are clamped to ±adv_clip_max inside the loss
+    kl_coef: float = 0.0  # β of the KL-to-reference term; 0 = no reference pass
+    kl_std: str = "sde"  # sde: divide by std_dev_t² (Flow-GRPO); transition: by the exact (s·sqrt(-dt))²
+
+    KL_STDS = ("sde", "transition")
+
+    def validate(self, at: str) -> None:
+        from diffrl.algos import get_loss
+
+        try:
+            get_loss(self.mode)
+        except ValueError as err:
+            raise ConfigError(f"{at}.mode={self.mode!r} is invalid: {err}") from None
+        _require_positive(f"{at}.clip_ratio", self.clip_ratio)
+        _require_positive(f"{at}.adv_clip_max", self.adv_clip_max)
+        _require_at_least(f"{at}.kl_coef", self.kl_coef, 0.0)
+        _require_choice(f"{at}.kl_std", self.kl_std, self.KL_STDS)
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"  # fsdp2, or none (one device, no sharding)
+    mini_batch_size: int = 128  # trajectories per optimizer step (whole prompt groups), global
+    micro_batch_size: int = 8  # trajectories per forward/backward, per worker
+    epochs: int = 1  # passes over each step's rollouts
+    shuffle: bool = True  # shuffle prompt groups across mini-batches
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    STRATEGIES = ("fsdp2", "none")
+
+    def validate(self, at: str) -> None:
+        _require_choice(f"{at}.strategy", self.strategy, self.STRATEGIES)
+        _require_at_least(f"{at}.mini_batch_size", self.mini_batch_size, 1)
+        _require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
+        _require_at_least(f"{at}.epochs", self.epochs, 1)
+        self.optim.validate(f"{at}.optim")
+        self.loss.validate(f"{at}.loss")
+
+
+# ----------------------------------------------------------------------------------- algorithm
+@dataclass
+class OldPolicyConfig:
+    """When and how the `old` adapter follows the trained one (DiffusionNFT and EMA variants)."""
+
+    schedule: str = "copy"  # a named decay schedule (see ALGORITHMS.md)
+    decay: float | None = None  # a fixed decay d; overrides the schedule when set
+    update_interval: int = 1  # optimizer steps between updates
+
+    SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
+
+    def validate(self, at: str) -> None:
+        _require_choice(f"{at}.schedule", self.schedule, self.SCHEDULES)
+        if self.decay is not None:
+            _require(0.0 <= self.decay <= 1.0, f"{at}.decay", self.decay, "must be in [0, 1], or null")
+        _require_at_least(f"{at}.update_interval", self.update_interval, 1)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correction for a sampler whose log-probs differ from the trainer's (λ = logp_old − logp_rollout)."""
+
+    is_level: str = "none"  # importance weights exp(λ): none, per step, or per sequence (sum over steps)
+    is_mode: str = "truncate"  # truncate: min(w, is_threshold); mask: drop w outside [is_lower, is_threshold]
+    is_threshold: float = 2.0
+    is_lower: float = 0.5
+    rejection: str = "none"  # reject samples whose k1/k2/k3 statistic exceeds rejection_threshold
+    rejection_threshold: float = 0.01
+    bypass: bool = False  # use the rollout's log-probs as the old ones (skip the recompute)
+
+    IS_LEVELS = ("none", "step", "sequence")
+    IS_MODES = ("truncate", "mask")
+    REJECTIONS = ("none", "k1", "k2", "k3")
+
+    def validate(self, at: str) -> None:
+        _require_choice(f"{at}.is_level", self.is_level, self.IS_LEVELS)
+        _require_choice(f"{at}.is_mode", self.is_mode, self.IS_MODES)
+        _require_positive(f"{at}.is_threshold", self.is_threshold)
+        _require(
+            0.0 <= self.is_lower < self.is_threshold,
+            f"{at}.is_lower",
+            self.is_lower,
+            f"must be in [0, is_threshold={self.is_threshold})",
+        )
+        _require_choice(f"{at}.rejection", self.rejection, self.REJECTIONS)
+        _require_positive(f"{at}.rejection_threshold", self.rejection_threshold)
+
+
+@dataclass
+class AlgorithmConfig:
+    trainer_type: str = "policy_gradient"  # policy_gradient (Flow-GRPO family) or direct_preference
+    sample_source: str = "online"  # online: the rollout; offline: a preference dataset
+    adv_estimator: str = "flow_grpo"  # a registered advantage estimator (diffrl.algos)
+    norm_adv_by_std: bool = True  # false = Dr.GRPO (no division by the std)
+    global_std: bool = True  # true: the batch's reward std; false: each group's own
+    timestep_fraction: float = 1.0  # fraction of window steps trained (DanceGRPO-style subsampling)
+    old_policy: OldPolicyConfig = field(default_factory=OldPolicyConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    TRAINER_TYPES = ("policy_gradient", "direct_preference")
+    SAMPLE_SOURCES = ("online", "offline")
+
+    def validate(self, at: str) -> None:
+        from diffrl.algos import get_advantage_estimator
+
+        _require_choice(f"{at}.trainer_type", self.trainer_type, self.TRAINER_TYPES)
+        _require_choice(f"{at}.sample_source", self.sample_source, self.SAMPLE_SOURCES)
+        try:
+            get_advantage_estimator(self.adv_estimator)
+        except ValueError as err:
+            raise ConfigError(f"{at}.adv_estimator={self.adv_estimator!r} is invalid: {err}") from None
+        _require(
+            0.0 < self.timestep_fraction <= 1.0,
+            f"{at}.timestep_fraction",
+            self.timestep_fraction,
+            "must be in (0, 1]",
+        )
+        self.old_policy.validate(f"{at}.old_policy")
+        self.rollout_correction.validate(f"{at}.rollout_correction")
+
+
+# -------------------------------------------------------------------------------------- reward
+@dataclass
+class RewardFnConfig:
+    weight: float = 1.0  # the reward's weight in the weighted sum
+    required: bool = True  # true: a failure stops the run; false: the batch scores 0, counted
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the reward function
+
+    def validate(self, at: str) -> None:
+        _require(self.weight == self.weight, f"{at}.weight", self.weight, "must be a number, not NaN")
+
+
+@dataclass
+class RewardConfig:
+    functions: dict[str, RewardFnConfig] = field(default_factory=dict)  # name -> weight/args
+    workers: int = 1  # reward worker processes (Ray actors)
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    overlap: bool = True  # score each decoded micro-batch while the next one samples
+
+    def validate(self, at: str) -> None:
+        for name, fn in self.functions.items():
+            fn.validate(f"{at}.functions.{name}")
+        _require_at_least(f"{at}.workers", self.workers, 1)
+        _require_positive(f"{at}.cpus_per_worker", self.cpus_per_worker)
+        _require_at_least(f"{at}.gpus_per_worker", self.gpus_per_worker, 0.0)
+
+
+# ---------------------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # .txt (one prompt per line), .jsonl, .parquet
+    val_files: list[str] = field(default_factory=list)
+    prompts_per_step: int = 8  # B: unique prompts per training step
+    prompt_key: str = "prompt"  # the column holding the prompt in .jsonl/.parquet rows
+    shuffle: bool = True
+    seed: int | None = None  # null = trainer.seed
+
+    def validate(self, at: str) -> None:
+        _require_at_least(f"{at}.prompts_per_step", self.prompts_per_step, 1)
+        _require(bool(self.prompt_key), f"{at}.prompt_key", self.prompt_key, "must be a non-empty column name")
+        if self.seed is not None:
+            _require_at_least(f"{at}.seed", self.seed, 0)
+
+
+# ------------------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    total_steps: int = 300
+    save_freq: int = 50  # steps between checkpoints; 0 = only the final one
+    test_freq: int = 25  # steps between validations; 0 = never
+    val_before_train: bool = True
+    output_dir: str = "runs"
+    run_name: str | None = None  # null = "<preset>-<timestamp>"
+    resume: str = "auto"  # auto: newest complete checkpoint of the run; off; or a checkpoint path
+    keep_checkpoints: int = 3  # the newest K are kept
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    n_gpus_per_node: int = 1  # workers per node (CPU workers when there is no GPU)
+    nnodes: int = 1
+    ray_address: str | None = None  # join this Ray cluster; null = start a local one
+    seed: int = 42
+
+    LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+    def validate(self, at: str) -> None:
+        _require_at_least(f"{at}.total_steps", self.total_steps, 1)
+        _require_at_least(f"{at}.save_freq", self.save_freq, 0)
+        _require_at_least(f"{at}.test_freq", self.test_freq, 0)
+        _require(bool(self.resume), f"{at}.resume", self.resume, "must be auto, off, or a checkpoint path")
+        _require_at_least(f"{at}.keep_checkpoints", self.keep_checkpoints, 1)
+        for logger in self.loggers:
+            _require_choice(f"{at}.loggers", logger, self.LOGGERS)
+        _require_at_least(f"{at}.n_gpus_per_node", self.n_gpus_per_node, 1)
+        _require_at_least(f"{at}.nnodes", self.nnodes, 1)
+        _require_at_least(f"{at}.seed", self.seed, 0)
+
+
+# ---------------------------------------------------------------------------------------- root
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> Config:
+        """Check every section, then the rules that span sections; returns self."""
+        for section in fields(self):
+            getattr(self, section.name).validate(section.name)
+        n, mini, micro = self.rollout.n, self.actor.mini_batch_size, self.actor.micro_batch_size
+        if self.algorithm.trainer_type == "policy_gradient":
+            _require(
+                n >= 2,
+                "rollout.n",
+                n,
+                "must be >= 2 for policy-gradient training: advantages compare samples of one prompt",
+            )
+        _require(
+            mini % n == 0,
+            "actor.mini_batch_size",
+            mini,
+            f"must be a multiple of rollout.n={n} (all samples of a prompt stay in one mini-batch)",
+        )
+        _require(
+            self.images_per_step % mini == 0,
+            "actor.mini_batch_size",
+            mini,
+            f"must divide the trajectories per step, data.prompts_per_step × rollout.n = {self.images_per_step}",
+        )
+        _require(
+            mini % (micro * self.world_size) == 0,
+            "actor.micro_batch_size",
+            micro,
+            f"× the {self.world_size} worker(s) must divide actor.mini_batch_size={mini}",
+        )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Training workers: one per GPU (or per CPU worker) over all nodes."""
+        return self.trainer.n_gpus_per_node * self.trainer.nnodes
+
+    @property
+    def images_per_step(self) -> int:
+        """Trajectories sampled per training step (prompts × samples per prompt)."""
+        return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def rollout_seed(self) -> int:
+        return self.trainer.seed if self.rollout.seed is None else self.rollout.seed
+
+    @property
+    def data_seed(self) -> int:
+        return self.trainer.seed if self.data.seed is None else self.data.seed
+
+    def derived(self) -> dict[str, Any]:
+        """The values computed from several keys, for display next to the resolved config."""
+        return {
+            "images_per_step": self.images_per_step,
+            "world_size": self.world_size,
+            "optimizer_steps_per_step": self.images_per_step // self.actor.mini_batch_size * self.actor.epochs,
+            "sde_window_range": list(self.rollout.sde_window_range),
+            "sde_window_size": self.rollout.sde_window_size,
+            "rollout_seed": self.rollout_seed,
+            "data_seed": self.data_seed,
+        }
