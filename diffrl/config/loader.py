@@ -41,7 +41,9 @@ def resolve_source(source: str | None) -> Path:
     if source.endswith((".yaml", ".yml")) or "/" in source:
         path = Path(source)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {source!r} does not exist (presets: {', '.join(preset_names())})")
+            raise FileNotFoundError(
+                f"config file {source!r} does not exist (presets: {', '.join(preset_names())})"
+            )
         return path
     path = PRESETS_DIR / f"{source}.yaml"
     if not path.is_file():

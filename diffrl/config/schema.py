@@ -390,7 +390,9 @@ class DataConfig:
 
     def validate(self, at: str) -> None:
         _require_at_least(f"{at}.prompts_per_step", self.prompts_per_step, 1)
-        _require(bool(self.prompt_key), f"{at}.prompt_key", self.prompt_key, "must be a non-empty column name")
+        _require(
+            bool(self.prompt_key), f"{at}.prompt_key", self.prompt_key, "must be a non-empty column name"
+        )
         if self.seed is not None:
             _require_at_least(f"{at}.seed", self.seed, 0)
 
@@ -490,10 +492,11 @@ class Config:
 
     def derived(self) -> dict[str, Any]:
         """The values computed from several keys, for display next to the resolved config."""
+        mini_batches = self.images_per_step // self.actor.mini_batch_size
         return {
             "images_per_step": self.images_per_step,
             "world_size": self.world_size,
-            "optimizer_steps_per_step": self.images_per_step // self.actor.mini_batch_size * self.actor.epochs,
+            "optimizer_steps_per_step": mini_batches * self.actor.epochs,
             "sde_window_range": list(self.rollout.sde_window_range),
             "sde_window_size": self.rollout.sde_window_size,
             "rollout_seed": self.rollout_seed,

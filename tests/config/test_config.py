@@ -1,0 +1,222 @@
+import dataclasses
+import textwrap
+
+import pytest
+
+from diffrl.config import Config, ConfigError, load_config, preset_names, to_yaml
+from diffrl.config.schema import RewardFnConfig
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_shipped_preset_loads_and_validates(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, Config)
+    assert cfg.model.path is not None
+
+
+def test_defaults_are_a_valid_config():
+    # The schema's own defaults (no preset) must satisfy every rule, or every preset inherits a trap.
+    Config().validate()
+
+
+def test_overrides_reach_the_dataclass():
+    cfg = load_config(
+        "default",
+        [
+            "rollout.sde.noise_level=0.9",
+            "actor.optim.lr=1e-5",
+            "actor.optim.betas=[0.8,0.95]",
+            "model.lora.target_modules=[to_q,to_k]",
+            "rollout.sde.window_range=null",
+            "reward.functions.ocr.weight=0.5",
+            "reward.functions.ocr.args.lang=eng",
+            "trainer.ray_address=auto",
+        ],
+    )
+    assert cfg.rollout.sde.noise_level == 0.9
+    assert cfg.actor.optim.lr == 1e-5
+    assert cfg.actor.optim.betas == [0.8, 0.95]
+    assert cfg.model.lora.target_modules == ["to_q", "to_k"]
+    assert cfg.rollout.sde.window_range is None
+    assert cfg.reward.functions["ocr"] == RewardFnConfig(weight=0.5, required=True, args={"lang": "eng"})
+    assert cfg.trainer.ray_address == "auto"
+    # Overrides change only what they name: everything else is the preset's value.
+    untouched = load_config("default")
+    assert cfg.rollout.n == untouched.rollout.n
+    assert cfg.reward.functions.keys() - {"ocr"} == untouched.reward.functions.keys()
+
+
+def test_preset_values_override_schema_defaults_and_nothing_else():
+    preset = load_config("default")
+    defaults = Config()
+    assert preset.rollout.pipeline.height != defaults.rollout.pipeline.height  # the preset shrinks it
+    assert preset.actor.loss == defaults.actor.loss  # and does not mention the loss
+
+
+def test_yaml_file_source(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            rollout:
+              n: 4
+            data:
+              prompts_per_step: 2
+            actor:
+              mini_batch_size: 8
+              micro_batch_size: 4
+            """
+        )
+    )
+    cfg = load_config(str(path), ["trainer.total_steps=3"])
+    assert (cfg.rollout.n, cfg.data.prompts_per_step, cfg.trainer.total_steps) == (4, 2, 3)
+    assert cfg.images_per_step == 8
+
+
+def test_unknown_key_lists_valid_keys_with_did_you_mean():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["rollout.sde.noise_levle=1"])
+    msg = str(err.value)
+    assert "rollout.sde.noise_levle" in msg
+    assert "Did you mean 'noise_level'?" in msg
+    for key in ("type", "noise_level", "window_size", "window_range", "window_strategy"):
+        assert key in msg
+
+
+def test_unknown_section_lists_top_level_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["rollotu.n=3"])
+    msg = str(err.value)
+    assert "Did you mean 'rollout'?" in msg
+    assert "model, rollout, actor, algorithm, reward, data, trainer" in msg
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor:\n  optim:\n    learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    msg = str(err.value)
+    assert str(path) in msg and "actor.optim.learning_rate" in msg and "lr" in msg
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["rollout.n=many"])
+    assert str(err.value) == "command line: rollout.n='many' has the wrong type: expected int"
+    with pytest.raises(
+        ConfigError, match=r"rollout\.sde\.noise_level=None has the wrong type: expected float"
+    ):
+        load_config("default", ["rollout.sde.noise_level=null"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("actor.loss.clip_ratio=0", r"actor\.loss\.clip_ratio=0\.0 is invalid: must be > 0"),
+        ("actor.loss.clip_ratio=-1e-4", r"actor\.loss\.clip_ratio=-0\.0001 is invalid: must be > 0"),
+        (
+            "rollout.sde.type=euler",
+            r"rollout\.sde\.type='euler' is invalid: must be one of 'sde', 'cps', 'dance_sde'",
+        ),
+        ("rollout.sde.noise_level=0", r"rollout\.sde\.noise_level=0\.0 is invalid: must be > 0"),
+        (
+            "model.dtype=fp8",
+            r"model\.dtype='fp8' is invalid: must be one of 'float32', 'bfloat16', 'float16'",
+        ),
+        (
+            "actor.optim.betas=[0.9]",
+            r"actor\.optim\.betas=\[0\.9\] is invalid: must be two numbers in \[0, 1\)",
+        ),
+        (
+            "algorithm.timestep_fraction=1.5",
+            r"algorithm\.timestep_fraction=1\.5 is invalid: must be in \(0, 1\]",
+        ),
+        (
+            "trainer.loggers=[console,mlflow]",
+            r"trainer\.loggers='mlflow' is invalid: must be one of 'console'",
+        ),
+        ("model.attn_backend=flash2", r"model\.attn_backend='flash2' is invalid: must be one of .*'native'"),
+        ("actor.loss.mode=grpo", r"actor\.loss\.mode='grpo' is invalid: .*flow_grpo"),
+        ("algorithm.adv_estimator=grpo", r"algorithm\.adv_estimator='grpo' is invalid: .*flow_grpo"),
+    ],
+)
+def test_out_of_range_values_name_key_value_and_allowed(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config("default", [override])
+
+
+def test_window_must_fit_the_steps():
+    # window_size larger than the number of steps
+    with pytest.raises(ConfigError, match=r"rollout\.sde\.window_size=11 is invalid: must be <= .* 10"):
+        load_config("default", ["rollout.sde.window_range=null", "rollout.sde.window_size=11"])
+    # a window range reaching past the last step
+    with pytest.raises(ConfigError, match=r"rollout\.sde\.window_range=\[2, 12\] is invalid: must end .*=10"):
+        load_config("default", ["rollout.sde.window_range=[2,12]"])
+    # exactly fitting is fine
+    cfg = load_config("default", ["rollout.sde.window_range=[4,10]", "rollout.sde.window_size=6"])
+    assert cfg.rollout.sde_window_range == (4, 10) and cfg.rollout.sde_window_size == 6
+
+
+def test_batch_sizes_must_nest():
+    # default preset: 4 prompts × 8 samples = 32 trajectories per step, mini-batch 32, micro 16
+    with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=12 is invalid: .*mini_batch_size=32"):
+        load_config("default", ["actor.micro_batch_size=12"])
+    with pytest.raises(
+        ConfigError, match=r"actor\.mini_batch_size=12 is invalid: must be a multiple of rollout\.n=8"
+    ):
+        load_config("default", ["actor.mini_batch_size=12", "actor.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"actor\.mini_batch_size=64 is invalid: must divide .* = 32"):
+        load_config("default", ["actor.mini_batch_size=64"])
+    # micro-batches are per worker: 2 workers × 16 no longer divide a mini-batch of 16
+    with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=16 is invalid: × the 2 worker"):
+        load_config("default", ["actor.mini_batch_size=16", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.n=1 is invalid: must be >= 2"):
+        load_config("default", ["rollout.n=1", "actor.mini_batch_size=4", "actor.micro_batch_size=4"])
+
+
+def test_derived_values_are_computed_from_the_keys():
+    cfg = load_config(
+        "default",
+        [
+            "data.prompts_per_step=6",
+            "rollout.n=4",
+            "actor.mini_batch_size=8",
+            "actor.micro_batch_size=4",
+            "actor.epochs=2",
+            "trainer.seed=7",
+            "data.seed=11",
+        ],
+    )
+    derived = cfg.derived()
+    assert derived["images_per_step"] == 24
+    assert derived["optimizer_steps_per_step"] == 24 // 8 * 2
+    assert derived["rollout_seed"] == 7 and derived["data_seed"] == 11
+
+
+def test_unknown_preset_suggests_the_closest():
+    with pytest.raises(
+        ConfigError, match=r"unknown preset 'defualt'\. Did you mean 'default'\? Available presets:"
+    ):
+        load_config("defualt")
+
+
+def test_missing_yaml_file():
+    with pytest.raises(FileNotFoundError, match=r"config file 'nope/run.yaml' does not exist"):
+        load_config("nope/run.yaml")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match=r"override 'rollout.n' is not key=value"):
+        load_config("default", ["rollout.n"])
+
+
+def test_printed_config_is_complete_and_reloadable(tmp_path):
+    cfg = load_config("default", ["rollout.sde.noise_level=0.85"])
+    text = to_yaml(cfg)
+    path = tmp_path / "printed.yaml"
+    path.write_text(text)
+    assert load_config(str(path)) == cfg
+    # every schema section and key appears in the printout
+    for section in dataclasses.fields(Config):
+        assert f"{section.name}:\n" in text
