@@ -1,0 +1,38 @@
+"""Advantage estimators and losses, looked up by name from the config.
+
+Importing this package registers every built-in algorithm:
+advantage estimators: "flow_grpo"; losses: "flow_grpo", "kl".
+"""
+
+from diffrl.algos import advantages, flow_grpo, kl  # noqa: F401  (registration on import)
+from diffrl.algos.advantages import compute_flow_grpo_advantages
+from diffrl.algos.base import Loss, LossInputs
+from diffrl.algos.flow_grpo import FlowGRPOLoss
+from diffrl.algos.kl import KLLoss
+from diffrl.algos.metrics import advantage_metrics, reward_metrics
+from diffrl.algos.registry import (
+    ADVANTAGE_ESTIMATORS,
+    LOSSES,
+    Registry,
+    get_advantage_estimator,
+    get_loss,
+    register_advantage,
+    register_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "LOSSES",
+    "FlowGRPOLoss",
+    "KLLoss",
+    "Loss",
+    "LossInputs",
+    "Registry",
+    "advantage_metrics",
+    "compute_flow_grpo_advantages",
+    "get_advantage_estimator",
+    "get_loss",
+    "register_advantage",
+    "register_loss",
+    "reward_metrics",
+]
