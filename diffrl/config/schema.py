@@ -119,6 +119,13 @@ class SdeConfig:
             self.noise_level,
             "must be > 0 (the SDE needs noise to have log-probabilities; validation uses rollout.val.noise_level)",
         )
+        if self.type == "cps":
+            _require(
+                self.noise_level <= 1,
+                f"{at}.noise_level",
+                self.noise_level,
+                "must be <= 1 for type=cps (its std is σ'·sin(η·π/2), which folds back above 1)",
+            )
         if self.window_size is not None:
             _require_at_least(f"{at}.window_size", self.window_size, 1)
         if self.window_range is not None:

@@ -146,6 +146,19 @@ def test_out_of_range_values_name_key_value_and_allowed(override, expected):
         load_config("default", [override])
 
 
+def test_cps_noise_level_is_at_most_one():
+    with pytest.raises(
+        ConfigError, match=r"rollout\.sde\.noise_level=1\.5 is invalid: must be <= 1 for type=cps"
+    ):
+        load_config("default", ["rollout.sde.type=cps", "rollout.sde.noise_level=1.5"])
+    assert (
+        load_config(
+            "default", ["rollout.sde.type=sde", "rollout.sde.noise_level=1.5"]
+        ).rollout.sde.noise_level
+        == 1.5
+    )
+
+
 def test_window_must_fit_the_steps():
     # window_size larger than the number of steps
     with pytest.raises(ConfigError, match=r"rollout\.sde\.window_size=11 is invalid: must be <= .* 10"):
