@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from diffrl.algos.kl import KL_STD_CHOICES
 from diffrl.sde import SDE_KINDS
 
 
@@ -239,8 +240,6 @@ class LossConfig:
     kl_coef: float = 0.0  # β of the KL-to-reference term; 0 = no reference pass
     kl_std: str = "sde"  # sde: divide by std_dev_t² (Flow-GRPO); transition: by the exact (s·sqrt(-dt))²
 
-    KL_STDS = ("sde", "transition")
-
     def validate(self, at: str) -> None:
         from diffrl.algos import get_loss
 
@@ -248,10 +247,16 @@ class LossConfig:
             get_loss(self.mode)
         except ValueError as err:
             raise ConfigError(f"{at}.mode={self.mode!r} is invalid: {err}") from None
+        _require(
+            self.mode != "kl",
+            f"{at}.mode",
+            self.mode,
+            "kl is the KL-to-reference term, not a policy loss: choose a policy loss and set actor.loss.kl_coef",
+        )
         _require_positive(f"{at}.clip_ratio", self.clip_ratio)
         _require_positive(f"{at}.adv_clip_max", self.adv_clip_max)
         _require_at_least(f"{at}.kl_coef", self.kl_coef, 0.0)
-        _require_choice(f"{at}.kl_std", self.kl_std, self.KL_STDS)
+        _require_choice(f"{at}.kl_std", self.kl_std, KL_STD_CHOICES)
 
 
 @dataclass

@@ -138,6 +138,7 @@ def test_wrong_type_names_key_value_and_expected_type():
         ),
         ("model.attn_backend=flash2", r"model\.attn_backend='flash2' is invalid: must be one of .*'native'"),
         ("actor.loss.mode=grpo", r"actor\.loss\.mode='grpo' is invalid: .*flow_grpo"),
+        ("actor.loss.mode=kl", r"actor\.loss\.mode='kl' is invalid: kl is the KL-to-reference term"),
         ("algorithm.adv_estimator=grpo", r"algorithm\.adv_estimator='grpo' is invalid: .*flow_grpo"),
     ],
 )
