@@ -1,0 +1,82 @@
+"""Model families: one `ModelAdapter` per diffusers pipeline class, loaded from a local directory.
+
+The registry maps a directory's model_index.json `_class_name` to the adapter that serves it. It
+names modules rather than importing them, so loading one family never imports the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from diffrl.models.base import ModelAdapter, PromptEmbeds
+
+ADAPTERS: dict[str, str] = {
+    "StableDiffusion3Pipeline": "diffrl.models.sd3:SD3Adapter",
+    "FluxPipeline": "diffrl.models.flux:FluxAdapter",
+    "QwenImagePipeline": "diffrl.models.qwen_image:QwenImageAdapter",
+    "WanPipeline": "diffrl.models.wan:WanAdapter",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def adapter_class(pipeline_class_name: str) -> type[ModelAdapter]:
+    if pipeline_class_name not in ADAPTERS:
+        raise ValueError(
+            f"model_index.json names pipeline class {pipeline_class_name!r}, which diffrl does not support; "
+            f"supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    module_name, _, class_name = ADAPTERS[pipeline_class_name].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def read_model_index(path: str | Path) -> dict:
+    """The directory's model_index.json, with clear errors for a missing directory, file or component."""
+    root = Path(path)
+    if not str(path):
+        raise ValueError("model.path is empty: set it to a local diffusers directory (with model_index.json)")
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"model.path={str(path)!r} is not a directory: point it to a local diffusers model directory "
+            "(diffrl never downloads weights)"
+        )
+    index_file = root / "model_index.json"
+    if not index_file.is_file():
+        raise FileNotFoundError(
+            f"{index_file} is missing: {str(path)!r} is not a diffusers pipeline directory "
+            "(save one with pipeline.save_pretrained(dir))"
+        )
+    index = json.loads(index_file.read_text())
+    if "_class_name" not in index:
+        raise ValueError(f"{index_file} has no _class_name: it is not a diffusers pipeline index")
+    # Components are [library, class] pairs; [null, null] marks an optional component left out.
+    missing = [
+        name
+        for name, spec in index.items()
+        if not name.startswith("_")
+        and isinstance(spec, list)
+        and spec[0] is not None
+        and not (root / name).is_dir()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"{str(path)!r} lacks the component folder(s) {', '.join(missing)} that model_index.json lists: "
+            "the directory is incomplete (copy the whole saved pipeline)"
+        )
+    return index
+
+
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu") -> ModelAdapter:
+    """Load the diffusers pipeline at `path` and wrap it in its family's adapter."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    index = read_model_index(path)
+    cls = adapter_class(index["_class_name"])
+    return cls.from_pretrained(path, torch.device(device), DTYPES[dtype])
+
+
+__all__ = ["ADAPTERS", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_model", "read_model_index"]

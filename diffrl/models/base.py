@@ -1,0 +1,167 @@
+"""The contract between a model family and the rest of diffrl.
+
+A `ModelAdapter` wraps one loaded diffusers pipeline (its transformer, VAE, text encoders,
+tokenizers and scheduler config) and exposes the few operations RL needs, so that the sampler,
+the trainer and the benchmarks never branch on the family:
+
+    encode_prompts  -> PromptEmbeds        (once per unique prompt)
+    schedule        -> Schedule            (sigmas and model timesteps for a step count and size)
+    init_noise      -> latents             (per-sample seeded, in the layout `velocity` consumes)
+    velocity        -> v                   (CFG computed inside, from one batched forward)
+    decode          -> uint8 pixels        ([B,3,H,W] images, [B,T,3,H,W] videos)
+
+plus declared facts: transformer block classes (FSDP units, activation checkpointing, compile),
+default LoRA target modules, and an honest FLOPs count per forward.
+
+Latents handed to and returned by adapters are fp32 (the trajectory's dtype); the network runs in
+the adapter's compute dtype and its output is cast back to fp32.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from diffusers import DiffusionPipeline
+from tensordict import tensorclass
+
+from diffrl.schedules import Schedule, flow_match_schedule
+
+
+@tensorclass
+class PromptEmbeds:
+    """Text conditioning for P prompts (the batch dimension), as the family's transformer takes it.
+
+    `embeds` [P, L, D] is what the transformer attends to; `mask` [P, L] marks real tokens where the
+    family uses variable-length text (Qwen-Image); `pooled` [P, D'] is the pooled text vector of
+    SD3/FLUX. The `negative_*` fields are the unconditional side of CFG (None without CFG). Rows
+    are indexed like any tensorclass (`embeds[idx]`), so a sampler encodes each unique prompt once
+    and gathers rows for its (prompt, sample) pairs.
+    """
+
+    embeds: torch.Tensor
+    mask: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    negative_embeds: torch.Tensor | None = None
+    negative_mask: torch.Tensor | None = None
+    negative_pooled: torch.Tensor | None = None
+
+    @property
+    def has_negative(self) -> bool:
+        return self.negative_embeds is not None
+
+
+class ModelAdapter(ABC):
+    """One model family. Subclasses set the class attributes and implement the abstract methods."""
+
+    #: `_class_name` of the directory's model_index.json this adapter loads.
+    pipeline_class_name: ClassVar[str]
+    #: How the family's diffusers pipeline calls its scheduler (see `diffrl.schedules`).
+    schedule_convention: ClassVar[str]
+    #: Names of the transformer's repeated block classes: FSDP units, checkpointing, compile.
+    block_class_names: ClassVar[tuple[str, ...]]
+    #: Module names LoRA adapts when `model.lora.target_modules` is null.
+    default_lora_target_modules: ClassVar[tuple[str, ...]]
+    #: True for video families: pixels come out as [B, T, 3, H, W].
+    is_video: ClassVar[bool] = False
+
+    def __init__(self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
+        self.pipe = pipe
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    @classmethod
+    def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
+        """Load with diffusers' own `from_pretrained`, local files only (nothing from a hub)."""
+        pipe = DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
+        return cls(pipe, device, dtype)
+
+    # ------------------------------------------------------------------------------ components
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def scheduler_config(self):
+        return self.pipe.scheduler.config
+
+    # ------------------------------------------------------------------------------ text
+    @abstractmethod
+    def encode_prompts(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        max_sequence_length: int,
+    ) -> PromptEmbeds:
+        """Encode P prompts (and their negatives when CFG is on; None = no CFG) without grad."""
+
+    # ------------------------------------------------------------------------------ latents
+    @abstractmethod
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """One sample's latent shape in the layout `velocity` consumes (packed where the family packs)."""
+
+    @abstractmethod
+    def image_seq_len(self, height: int, width: int, num_frames: int = 1) -> int:
+        """Image tokens the transformer sees for one sample (sets dynamic shift and FLOPs)."""
+
+    def schedule(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> Schedule:
+        return flow_match_schedule(
+            self.scheduler_config,
+            num_steps,
+            self.image_seq_len(height, width, num_frames),
+            pipeline_convention=self.schedule_convention,
+        )
+
+    def init_noise(
+        self, generators: Sequence[torch.Generator], height: int, width: int, num_frames: int = 1
+    ) -> torch.Tensor:
+        """fp32 standard-normal latents, one draw per generator (per sample), on the adapter's device.
+
+        Each sample draws from its own generator, so its noise does not depend on which micro-batch
+        it lands in.
+        """
+        shape = self.latent_shape(height, width, num_frames)
+        return torch.cat(
+            [torch.randn((1, *shape), generator=g, device=g.device, dtype=torch.float32) for g in generators]
+        ).to(self.device)
+
+    # ------------------------------------------------------------------------------ network
+    @abstractmethod
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        timestep_B: torch.Tensor,
+        cond: PromptEmbeds,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        num_frames: int = 1,
+    ) -> torch.Tensor:
+        """fp32 velocity for fp32 `latents` [B, ...] at model timesteps `timestep_B` (Schedule.timesteps).
+
+        `cond` has one row per sample. With CFG (`cond.has_negative` and guidance_scale > 1) the
+        conditional and unconditional halves run as one batched forward of 2B. Differentiable:
+        the trainer calls it with grad enabled.
+        """
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
+        """Final latents -> uint8 pixels [B, 3, H, W] (images) or [B, T, 3, H, W] (videos), no grad."""
+
+    # ------------------------------------------------------------------------------ facts
+    @abstractmethod
+    def flops_per_forward(self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1) -> float:
+        """Transformer FLOPs of one forward over `batch` samples (a CFG pair counts as 2 samples).
+
+        Count 2·(multiply-accumulates) of every matmul including attention scores and values; in
+        two-stream (MMDiT) blocks each stream's weights see only that stream's tokens.
+        """
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """VAE output in [-1, 1] (any float dtype) -> uint8 in [0, 255], rounding like diffusers' postprocess."""
+    return ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
