@@ -99,6 +99,13 @@ class ModelAdapter(ABC):
     ) -> PromptEmbeds:
         """Encode P prompts (and their negatives when CFG is on; None = no CFG) without grad."""
 
+    def wants_negative(self, guidance_scale: float) -> bool:
+        """Whether guidance at this scale runs an unconditional pass on negative-prompt embeddings.
+
+        True for classic CFG above 1; guidance-distilled families override it.
+        """
+        return guidance_scale > 1.0
+
     # ------------------------------------------------------------------------------ latents
     @abstractmethod
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:

@@ -1,0 +1,291 @@
+"""Batched trajectory sampler: prompts -> `Rollout` with log-probabilities, and step re-evaluation.
+
+For B prompts × n samples the sampler encodes each unique prompt once, then denoises micro-batches
+of (prompt, sample) pairs: one batched transformer call per step (CFG inside it), SDE steps inside
+the window and ODE steps elsewhere, all step math through `diffrl.sde.step`. Sample i of step s
+draws its initial noise and its SDE noise from its own generator seeded by (seed, s, i), so a
+rollout is identical whatever the micro-batch size.
+
+`evaluate_step` is the trainer's half: it recomputes one window step of stored trajectories with
+the current weights through the same adapter call and the same step function, so with unchanged
+weights it reproduces the sampled log-probs exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from diffrl import sde
+from diffrl.config.schema import RolloutConfig
+from diffrl.models.base import ModelAdapter, PromptEmbeds
+from diffrl.rollout.types import Rollout, RolloutSettings, Trajectories
+from diffrl.rollout.window import window_start
+from diffrl.seeding import NOISE_STREAM, generator
+
+OnDecoded = Callable[[Trajectories], None]
+
+
+class TrajectorySampler:
+    """Samples training and validation rollouts from a model adapter with `rollout.*` settings."""
+
+    def __init__(self, adapter: ModelAdapter, cfg: RolloutConfig, *, progress: bool = True):
+        self.adapter = adapter
+        self.cfg = cfg
+        self.progress = progress
+        self.encode_calls = 0  # prompts sent to the text encoders (observable: once per unique prompt)
+
+    # ------------------------------------------------------------------------------ public
+    def window(self, seed: int, step: int) -> tuple[int, int]:
+        """(k0, W) of training step `step`: the same for every sample of the step."""
+        lo, hi = self.cfg.sde_window_range
+        size = self.cfg.sde_window_size
+        k0 = window_start(
+            self.cfg.sde.window_strategy,
+            lo,
+            hi,
+            size,
+            seed=seed,
+            step=step,
+            iters_per_group=self.cfg.sde.iters_per_group,
+        )
+        return k0, size
+
+    def sample(
+        self,
+        prompts: Sequence[str],
+        *,
+        seed: int,
+        step: int,
+        uids: Sequence[str] | None = None,
+        metadata: Sequence[dict[str, Any]] | None = None,
+        negative_prompts: Sequence[str] | None = None,
+        on_decoded: OnDecoded | None = None,
+    ) -> Rollout:
+        """A training rollout: `rollout.n` SDE-window trajectories per prompt.
+
+        `on_decoded` is called with each micro-batch's trajectories as soon as its pixels exist,
+        so rewards can score them while the next micro-batch samples.
+        """
+        pipe = self.cfg.pipeline
+        return self._run(
+            prompts,
+            n=self.cfg.n,
+            seed=seed,
+            step=step,
+            num_steps=pipe.num_inference_steps,
+            sde_type=self.cfg.sde.type,
+            noise_level=self.cfg.sde.noise_level,
+            window=self.window(seed, step),
+            uids=uids,
+            metadata=metadata,
+            negative_prompts=negative_prompts,
+            on_decoded=on_decoded,
+        )
+
+    def sample_validation(
+        self,
+        prompts: Sequence[str],
+        *,
+        uids: Sequence[str] | None = None,
+        metadata: Sequence[dict[str, Any]] | None = None,
+        negative_prompts: Sequence[str] | None = None,
+    ) -> Rollout:
+        """A validation rollout: `rollout.val.n` samples per prompt with the fixed validation seed.
+
+        noise_level 0 (the default) is the deterministic ODE sampler.
+        """
+        val = self.cfg.val
+        num_steps = val.num_inference_steps or self.cfg.pipeline.num_inference_steps
+        stochastic = val.noise_level > 0
+        return self._run(
+            prompts,
+            n=val.n,
+            seed=val.seed,
+            step=0,
+            num_steps=num_steps,
+            sde_type=self.cfg.sde.type if stochastic else "ode",
+            noise_level=val.noise_level,
+            window=(0, num_steps) if stochastic else (0, 0),
+            uids=uids,
+            metadata=metadata,
+            negative_prompts=negative_prompts,
+            on_decoded=None,
+        )
+
+    # ------------------------------------------------------------------------------ internals
+    def encode(self, prompts: Sequence[str], negative_prompts: Sequence[str] | None) -> PromptEmbeds:
+        """Encode distinct (prompt, negative) pairs once; rows follow `prompts`."""
+        negatives = list(negative_prompts) if negative_prompts is not None else None
+        keys = list(zip(prompts, negatives or [None] * len(prompts), strict=True))
+        unique = list(dict.fromkeys(keys))
+        self.encode_calls += len(unique)
+        embeds = self.adapter.encode_prompts(
+            [p for p, _ in unique],
+            [n for _, n in unique] if negatives is not None else None,
+            self.cfg.pipeline.max_sequence_length,
+        )
+        if len(unique) == len(keys):
+            return embeds
+        row = {key: i for i, key in enumerate(unique)}
+        return embeds[torch.tensor([row[k] for k in keys], device=embeds.embeds.device)]
+
+    def _run(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int,
+        seed: int,
+        step: int,
+        num_steps: int,
+        sde_type: str,
+        noise_level: float,
+        window: tuple[int, int],
+        uids: Sequence[str] | None,
+        metadata: Sequence[dict[str, Any]] | None,
+        negative_prompts: Sequence[str] | None,
+        on_decoded: OnDecoded | None,
+    ) -> Rollout:
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts to sample")
+        uids = [str(u) for u in uids] if uids is not None else [str(i) for i in range(len(prompts))]
+        metadata = list(metadata) if metadata is not None else [{} for _ in prompts]
+        if not len(uids) == len(metadata) == len(prompts):
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(uids)} uids and {len(metadata)} metadata rows"
+            )
+        adapter, pipe = self.adapter, self.cfg.pipeline
+        size = dict(height=pipe.height, width=pipe.width, num_frames=pipe.num_frames)
+        guidance = pipe.guidance_scale
+        if negative_prompts is None and adapter.wants_negative(guidance):
+            negative_prompts = [pipe.negative_prompt] * len(prompts)
+        with torch.no_grad():
+            prompt_embeds = self.encode(prompts, negative_prompts)
+        schedule = adapter.schedule(num_steps, **size)
+        sigmas = schedule.sigmas.to(adapter.device)
+        timesteps = schedule.timesteps.to(adapter.device)
+        k0, w = window
+
+        total = len(prompts) * n
+        prompt_index_B = torch.arange(len(prompts)).repeat_interleave(n)
+        sample_index_B = torch.arange(total)
+        micro = self.cfg.micro_batch_size
+        chunks: list[Trajectories] = []
+        with self._progress_bar() as bar, torch.no_grad():
+            task = bar.add_task(f"sampling step {step}", total=total * num_steps)
+            for start in range(0, total, micro):
+                rows = slice(start, min(start + micro, total))
+                gens = [generator(adapter.device, seed, step, int(i), NOISE_STREAM) for i in sample_index_B[rows]]
+                cond = prompt_embeds[prompt_index_B[rows].to(adapter.device)]
+                x = adapter.init_noise(gens, **size)
+                kept, log_probs, means, stds = [x], [], [], []
+                for k in range(num_steps):
+                    v = adapter.velocity(x, timesteps[k].expand(x.shape[0]), cond, guidance, **size)
+                    in_window = k0 <= k < k0 + w
+                    out = sde.step(
+                        sde_type if in_window else "ode",
+                        x,
+                        v,
+                        sigmas[k],
+                        sigmas[k + 1],
+                        noise_level,
+                        sigma_1=schedule.sigma_1,
+                        generator=gens if in_window else None,
+                    )
+                    x = out.next_latents
+                    if in_window:
+                        kept.append(x)
+                        log_probs.append(out.log_prob_B)
+                        means.append(out.mean)
+                        stds.append(out.std_B)
+                    elif k < k0:
+                        kept[0] = x  # the window starts from the latents of step k0
+                    bar.advance(task, x.shape[0])
+                chunk = Trajectories(
+                    window_latents=torch.stack(kept, dim=1),
+                    log_probs_BW=_stack_or_empty(log_probs, x.shape[0]),
+                    means=torch.stack(means, dim=1) if means else x.new_zeros((x.shape[0], 0, *x.shape[1:])),
+                    stds_BW=_stack_or_empty(stds, x.shape[0]),
+                    final_latents=x,
+                    pixels=adapter.decode(x, **size),
+                    prompt_index_B=prompt_index_B[rows],
+                    sample_index_B=sample_index_B[rows],
+                    batch_size=[x.shape[0]],
+                )
+                if on_decoded is not None:
+                    on_decoded(chunk)
+                chunks.append(chunk)
+
+        return Rollout(
+            samples=torch.cat(chunks, dim=0),
+            prompt_embeds=prompt_embeds,
+            prompts=prompts,
+            uids=uids,
+            metadata=metadata,
+            step_indices=torch.arange(k0, k0 + w),
+            sigmas=sigmas[k0 : k0 + w + 1].float().cpu(),
+            timesteps=timesteps[k0 : k0 + w].float().cpu(),
+            settings=RolloutSettings(
+                num_inference_steps=num_steps,
+                guidance_scale=guidance,
+                sde_type=sde_type,
+                noise_level=noise_level,
+                sigma_1=schedule.sigma_1,
+                seed=seed,
+                step=step,
+                **size,
+            ),
+        )
+
+    def _progress_bar(self) -> Progress:
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+            disable=not self.progress,
+        )
+
+
+def _stack_or_empty(values: list[torch.Tensor], batch: int) -> torch.Tensor:
+    return torch.stack(values, dim=1) if values else torch.zeros(batch, 0)
+
+
+def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOut:
+    """Re-evaluate window step j of `rollout`'s samples with the adapter's current weights.
+
+    Recomputes the velocity at the stored x_{k0+j} (CFG as sampled), then the SDE mean, std and the
+    log-prob of the stored x_{k0+j+1}. Grad flows when enabled (the trainer's path); which LoRA
+    adapters are active is the caller's context.
+    """
+    s = rollout.settings
+    if not 0 <= j < rollout.window_size:
+        raise IndexError(f"window step {j} out of range: the rollout has {rollout.window_size} window steps")
+    device = adapter.device
+    latents = rollout.samples.window_latents[:, j].to(device)
+    next_latents = rollout.samples.window_latents[:, j + 1].to(device)
+    batch = latents.shape[0]
+    v = adapter.velocity(
+        latents,
+        rollout.timesteps[j].to(device).expand(batch),
+        rollout.sample_cond(),
+        s.guidance_scale,
+        height=s.height,
+        width=s.width,
+        num_frames=s.num_frames,
+    )
+    return sde.step(
+        s.sde_type,
+        latents,
+        v,
+        rollout.sigmas[j].to(device),
+        rollout.sigmas[j + 1].to(device),
+        s.noise_level,
+        sigma_1=s.sigma_1,
+        next_latents=next_latents,
+    )

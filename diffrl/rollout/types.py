@@ -1,0 +1,93 @@
+"""The `Rollout` batch: what the sampler produces and the trainer consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from tensordict import tensorclass
+
+from diffrl.models.base import PromptEmbeds
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How a rollout was sampled; the trainer re-evaluates its steps with exactly these settings."""
+
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    sde_type: str  # the kind of the window steps ("ode" for a validation rollout)
+    noise_level: float
+    sigma_1: float  # the schedule's second sigma (the `sde` kind needs it at σ = 1)
+    seed: int
+    step: int
+
+
+@tensorclass
+class Trajectories:
+    """Per-sample tensors; the batch dimension is the sample (B = prompts × samples per prompt).
+
+    W is the SDE window size (0 for an all-ODE validation rollout); `...` is one sample's latent
+    shape in the adapter's layout.
+    """
+
+    window_latents: torch.Tensor  # fp32 [B, W+1, ...]: x_{k0}, ..., x_{k0+W}
+    log_probs_BW: torch.Tensor  # fp32 [B, W]: log p(x_{k+1} | x_k) averaged over latent elements
+    means: torch.Tensor  # fp32 [B, W, ...]: the SDE means μ_k
+    stds_BW: torch.Tensor  # fp32 [B, W]: transition stds
+    final_latents: torch.Tensor  # fp32 [B, ...]: x at σ = 0 (the clean sample)
+    pixels: torch.Tensor  # uint8 [B, 3, H, W] or [B, T, 3, H, W]
+    prompt_index_B: torch.Tensor  # long [B]: row of the sample's prompt in Rollout.prompt_embeds
+    sample_index_B: torch.Tensor  # long [B]: index of the sample within its step (its seed key)
+
+
+@dataclass
+class Rollout:
+    """Trajectories of one step plus what they are conditioned on.
+
+    Prompt-level data (embeddings, texts, uids, metadata) is stored once per unique prompt (P rows)
+    and referenced by `samples.prompt_index_B`; `select` slices samples and shares the prompt table.
+    The window is the same for every sample: `step_indices` [W], `sigmas` [W+1], `timesteps` [W].
+    """
+
+    samples: Trajectories
+    prompt_embeds: PromptEmbeds  # [P]
+    prompts: list[str]  # [P]
+    uids: list[str]  # [P]
+    metadata: list[dict[str, Any]]  # [P]
+    step_indices: torch.Tensor  # long [W]: denoising step k of each window step
+    sigmas: torch.Tensor  # fp32 [W+1]: σ_{k0}, ..., σ_{k0+W}
+    timesteps: torch.Tensor  # fp32 [W]: the model timesteps of the window steps
+    settings: RolloutSettings
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.samples.batch_size[0]
+
+    @property
+    def window_size(self) -> int:
+        return int(self.step_indices.numel())
+
+    def select(self, index: torch.Tensor | slice | list[int]) -> Rollout:
+        """The rollout restricted to some samples (a micro-batch), sharing the prompt table."""
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long)
+        return replace(self, samples=self.samples[index])
+
+    def sample_uids(self) -> list[str]:
+        """The prompt uid of every sample, for grouping advantages."""
+        return [self.uids[i] for i in self.samples.prompt_index_B.tolist()]
+
+    def sample_prompts(self) -> list[str]:
+        return [self.prompts[i] for i in self.samples.prompt_index_B.tolist()]
+
+    def sample_metadata(self) -> list[dict[str, Any]]:
+        return [self.metadata[i] for i in self.samples.prompt_index_B.tolist()]
+
+    def sample_cond(self) -> PromptEmbeds:
+        """One row of prompt embeddings per sample."""
+        return self.prompt_embeds[self.samples.prompt_index_B.to(self.prompt_embeds.embeds.device)]
