@@ -10,3 +10,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(family)` -> the directory of a tiny random pipeline, built once per session."""
+    from diffrl.models.tiny import build_tiny
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_tiny(family, tmp_path_factory.mktemp(f"tiny_{family}"), seed=0)
+        return built[family]
+
+    return get

@@ -179,7 +179,9 @@ class TrajectorySampler:
             task = bar.add_task(f"sampling step {step}", total=total * num_steps)
             for start in range(0, total, micro):
                 rows = slice(start, min(start + micro, total))
-                gens = [generator(adapter.device, seed, step, int(i), NOISE_STREAM) for i in sample_index_B[rows]]
+                gens = [
+                    generator(adapter.device, seed, step, int(i), NOISE_STREAM) for i in sample_index_B[rows]
+                ]
                 cond = prompt_embeds[prompt_index_B[rows].to(adapter.device)]
                 x = adapter.init_noise(gens, **size)
                 kept, log_probs, means, stds = [x], [], [], []
