@@ -1,0 +1,50 @@
+import json
+import shutil
+
+import pytest
+
+from diffrl.models import ADAPTERS, adapter_class, load_model
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model\.path='.*nope' is not a directory"):
+        load_model(tmp_path / "nope")
+
+
+def test_empty_path():
+    with pytest.raises(ValueError, match="model.path is empty"):
+        load_model("")
+
+
+def test_directory_without_model_index(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_index.json is missing"):
+        load_model(tmp_path)
+
+
+def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*supported: FluxPipeline, QwenImagePipeline"):
+        load_model(tmp_path)
+
+
+def test_missing_component_is_named(tiny_model, tmp_path):
+    copy = tmp_path / "incomplete"
+    shutil.copytree(tiny_model("sd3"), copy)
+    shutil.rmtree(copy / "vae")
+    with pytest.raises(FileNotFoundError, match=r"lacks the component folder\(s\) vae"):
+        load_model(copy)
+
+
+def test_bad_dtype(tiny_model):
+    with pytest.raises(ValueError, match="dtype='fp8' is not one of"):
+        load_model(tiny_model("sd3"), dtype="fp8")
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_every_registered_adapter_declares_its_facts(name):
+    cls = adapter_class(name)
+    assert cls.pipeline_class_name == name
+    assert cls.block_class_names and cls.default_lora_target_modules
+    from diffrl.schedules import PIPELINE_CONVENTIONS
+
+    assert cls.schedule_convention in PIPELINE_CONVENTIONS
