@@ -21,8 +21,8 @@ MAX_LEN = 24
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return build_tiny(tmp_path_factory.mktemp("flux") / "tiny", seed=0)
+def tiny_dir(tiny_model) -> Path:
+    return tiny_model("flux")  # built once per session (tests/conftest.py), via diffrl.models.tiny
 
 
 @pytest.fixture(scope="module")
