@@ -1,0 +1,462 @@
+"""Qwen-Image (`QwenImagePipeline`): adapter and tiny random builder.
+
+What the diffusers pipeline does, and therefore what this adapter does:
+
+- Text: the prompt goes through a chat template (`pipe.prompt_template_encode`), the Qwen2.5-VL
+  text encoder runs over it, its last hidden layer is kept for the real tokens only, and the
+  template's first `pipe.prompt_template_encode_start_idx` (34) tokens are dropped. The result has
+  a variable length per prompt: `pipe.encode_prompt` pads a call's prompts to the longest with
+  zeros and returns the mask (or None when no row is padded). `encode_prompts` keeps a mask always
+  (`PromptEmbeds.mask` / `negative_mask`, int64 like the pipeline's, 1 = real token) and pads the
+  positive and negative rows of one call to one common length, so that CFG can batch them.
+- Latents: 2x2-packed tokens, fp32 [B, (H/16)·(W/16), 64] (16 VAE channels x 2 x 2; the VAE
+  downsamples by 8, the packing by 2). `init_noise` draws them as the pipeline's `prepare_latents`
+  does (an unpacked [1, 1, 16, H/8, W/8] draw per generator, then `_pack_latents`), so a generator
+  gives the same initial noise as `pipe(generator=...)`.
+- Network call (one step of the pipeline's loop): `transformer(hidden_states=latents,
+  timestep=t/1000, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+  img_shapes=[[(1, H/16, W/16)]]·B, guidance=None)`, with t the scheduler's timestep (1000·σ)
+  cast to the compute dtype before the division, as the pipeline does. In diffusers 0.42 the
+  forward takes the mask (it builds the joint text+image attention mask from it and uses the
+  padded text length for the text RoPE positions, so right-padding does not move real tokens).
+- CFG: Qwen-Image uses *true* CFG with norm rescale, driven by the pipeline's `true_cfg_scale`
+  (its `guidance_scale` is for guidance-distilled variants, which this adapter rejects). In
+  `velocity`, the `guidance_scale` argument IS that true CFG scale g:
+
+      v = v_u + g·(v_c − v_u);   v ← v·‖v_c‖/‖v‖   (2-norm over the last, packed-channel dim, per token)
+
+  computed from ONE batched forward of [negative, positive] (the pipeline runs two forwards; the
+  two sides are padded to one text length with their masks, which gives the same result up to
+  float rounding because padded keys are masked out). The combination runs in fp32 on the
+  network's output cast to fp32 (the pipeline combines in the compute dtype; identical in fp32).
+- Schedule: "qwen_image" convention (dynamic shift from the packed token count, shift_terminal
+  0.02, exponential time shift), see `diffrl.schedules`.
+- Decode: `_unpack_latents` to [B, 16, 1, H/8, W/8] (the VAE is a video VAE with a frame dim),
+  de-normalise with the VAE config's latents_mean / latents_std, decode, take frame 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+
+from diffrl.models.base import ModelAdapter, PromptEmbeds, to_uint8
+
+
+class QwenImageAdapter(ModelAdapter):
+    """Qwen-Image text-to-image (MMDiT with dual-stream `QwenImageTransformerBlock`s).
+
+    `velocity(..., guidance_scale=g)`: g is Qwen-Image's *true CFG scale* (`true_cfg_scale` of the
+    diffusers pipeline), applied with norm rescale when `cond.has_negative` and g > 1.
+    """
+
+    pipeline_class_name = "QwenImagePipeline"
+    schedule_convention = "qwen_image"
+    block_class_names = ("QwenImageTransformerBlock",)
+    # Both streams' attention projections and MLPs: the Qwen-Image Flow-GRPO LoRA recipe (VeRL-Omni).
+    default_lora_target_modules = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
+    )
+
+    def __init__(self, pipe: QwenImagePipeline, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipe, device, dtype)
+        config = pipe.transformer.config
+        if config.guidance_embeds:
+            raise ValueError(
+                "this Qwen-Image transformer has guidance_embeds=True (a guidance-distilled variant); "
+                "diffrl's Qwen-Image adapter samples with true CFG only: use a checkpoint with guidance_embeds=False"
+            )
+        if config.zero_cond_t or config.use_additional_t_cond or config.use_layer3d_rope:
+            raise ValueError(
+                "this Qwen-Image transformer uses zero_cond_t / use_additional_t_cond / use_layer3d_rope "
+                "(edit or layered variants), which QwenImagePipeline (text-to-image) does not drive"
+            )
+
+    # ------------------------------------------------------------------------------ text
+    def encode_prompts(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        max_sequence_length: int,
+    ) -> PromptEmbeds:
+        """`pipe.encode_prompt` for the prompts (and the negatives), padded to one length L.
+
+        Returns embeds [P, L, D] in the compute dtype and int64 masks [P, L] (1 = real token), for
+        both sides when `negative_prompts` is given. L is the longest encoded prompt of the call
+        (capped at `max_sequence_length`, as the pipeline caps it; at most 1024).
+        """
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        if not 1 <= max_sequence_length <= self.pipe.tokenizer_max_length:
+            raise ValueError(
+                f"max_sequence_length={max_sequence_length} is out of range for Qwen-Image: "
+                f"use 1..{self.pipe.tokenizer_max_length}"
+            )
+        if negative_prompts is not None and len(negative_prompts) != len(prompts):
+            raise ValueError(
+                f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one per prompt"
+            )
+        with torch.no_grad():
+            sides = [self._encode(prompts, max_sequence_length)]
+            if negative_prompts is not None:
+                sides.append(self._encode(list(negative_prompts), max_sequence_length))
+        length = max(embeds.shape[1] for embeds, _ in sides)
+        embeds, mask = _pad_text(*sides[0], length)
+        negative_embeds = negative_mask = None
+        if len(sides) > 1:
+            negative_embeds, negative_mask = _pad_text(*sides[1], length)
+        return PromptEmbeds(
+            embeds=embeds,
+            mask=mask,
+            negative_embeds=negative_embeds,
+            negative_mask=negative_mask,
+            batch_size=[len(prompts)],
+        )
+
+    def _encode(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=max_sequence_length
+        )
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return embeds, mask
+
+    # ------------------------------------------------------------------------------ latents
+    def _latent_hw(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
+        """Unpacked latent (h, w) = (H/8, W/8); H and W must be multiples of 16 (8 x the 2x2 packing)."""
+        if num_frames != 1:
+            raise ValueError(f"Qwen-Image makes images: num_frames must be 1, got {num_frames}")
+        multiple = self.pipe.vae_scale_factor * 2
+        if height <= 0 or width <= 0 or height % multiple or width % multiple:
+            raise ValueError(
+                f"Qwen-Image needs height and width that are positive multiples of {multiple}; "
+                f"got {height}x{width}"
+            )
+        return height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor
+
+    def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        return (self.image_seq_len(height, width, num_frames), self.transformer.config.in_channels)
+
+    def image_seq_len(self, height: int, width: int, num_frames: int = 1) -> int:
+        h, w = self._latent_hw(height, width, num_frames)
+        return (h // 2) * (w // 2)
+
+    def init_noise(
+        self, generators: Sequence[torch.Generator], height: int, width: int, num_frames: int = 1
+    ) -> torch.Tensor:
+        """fp32 packed noise [B, (H/16)·(W/16), 64], drawn by the pipeline's `prepare_latents`.
+
+        One unpacked draw per generator (so a sample's noise does not depend on its micro-batch),
+        then `_pack_latents`: the same noise `pipe(generator=[...])` starts from in fp32.
+        """
+        self._latent_hw(height, width, num_frames)
+        generators = list(generators)
+        return self.pipe.prepare_latents(
+            len(generators),
+            self.transformer.config.in_channels // 4,
+            height,
+            width,
+            torch.float32,
+            self.device,
+            generators,
+        )
+
+    # ------------------------------------------------------------------------------ network
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        timestep_B: torch.Tensor,
+        cond: PromptEmbeds,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        num_frames: int = 1,
+    ) -> torch.Tensor:
+        """fp32 velocity [B, N, 64]; `guidance_scale` is the true CFG scale (module docstring)."""
+        h, w = self._latent_hw(height, width, num_frames)
+        batch = latents.shape[0]
+        if cond.batch_size[0] != batch:
+            raise ValueError(
+                f"cond has {cond.batch_size[0]} rows for {batch} latents: pass one row per sample"
+            )
+        hidden_states = latents.to(self.device, self.dtype)
+        timestep = torch.as_tensor(timestep_B, device=self.device).to(self.dtype).expand(batch)
+        do_cfg = cond.has_negative and guidance_scale > 1
+        if do_cfg:
+            length = max(cond.embeds.shape[1], cond.negative_embeds.shape[1])
+            negative = _pad_text(
+                cond.negative_embeds, _mask_or_ones(cond.negative_embeds, cond.negative_mask), length
+            )
+            positive = _pad_text(cond.embeds, _mask_or_ones(cond.embeds, cond.mask), length)
+            encoder_hidden_states = torch.cat([negative[0], positive[0]])
+            encoder_mask = torch.cat([negative[1], positive[1]])
+            hidden_states = torch.cat([hidden_states, hidden_states])
+            timestep = torch.cat([timestep, timestep])
+        else:
+            encoder_hidden_states, encoder_mask = cond.embeds, cond.mask
+        noise_pred = self.transformer(
+            hidden_states=hidden_states,
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=None if encoder_mask is None else encoder_mask.to(self.device),
+            encoder_hidden_states=encoder_hidden_states.to(self.device, self.dtype),
+            img_shapes=[[(1, h // 2, w // 2)]] * hidden_states.shape[0],
+            attention_kwargs={},
+            return_dict=False,
+        )[0].float()
+        if not do_cfg:
+            return noise_pred
+        v_uncond, v_cond = noise_pred.chunk(2)
+        combined = v_uncond + guidance_scale * (v_cond - v_uncond)
+        cond_norm = torch.norm(v_cond, dim=-1, keepdim=True)
+        combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+        return combined * (cond_norm / combined_norm)
+
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
+        """Packed latents -> uint8 [B, 3, H, W], exactly as the pipeline's `output_type != "latent"` path."""
+        self._latent_hw(height, width, num_frames)
+        vae = self.pipe.vae
+        with torch.no_grad():
+            latents = self.pipe._unpack_latents(
+                latents.to(self.device), height, width, self.pipe.vae_scale_factor
+            )
+            latents = latents.to(vae.dtype)
+            shape = (1, vae.config.z_dim, 1, 1, 1)
+            latents_mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+            latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(
+                latents.device, latents.dtype
+            )
+            latents = latents / latents_std + latents_mean
+            image = vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return to_uint8(image)
+
+    # ------------------------------------------------------------------------------ facts
+    def flops_per_forward(
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+    ) -> float:
+        """2·MACs of one transformer forward over `batch` samples (a CFG pair counts as 2).
+
+        Per sample, with D = heads·head_dim, N image tokens, T text tokens (padded length):
+          embeddings: N·C_in·D (img_in) + T·D_txt·D (txt_in) + 256·D + D² (timestep MLP)
+          per dual-stream block: 2·6D² (img_mod, txt_mod on the time embedding)
+            + (N + T)·4D² (q, k, v, out: each stream's own weights on its own tokens)
+            + 2·(N + T)²·D (joint attention QK^T and AV over all tokens)
+            + (N + T)·8D² (each stream's MLP, D -> 4D -> D)
+          output: 2D² (norm_out modulation) + N·D·p²·C_out (proj_out)
+        Elementwise work (norms, RoPE, gates, softmax) is not counted.
+        """
+        config = self.transformer.config
+        dim = config.num_attention_heads * config.attention_head_dim
+        n = self.image_seq_len(height, width, num_frames)
+        t = text_len
+        tokens = n + t
+        macs = n * config.in_channels * dim + t * config.joint_attention_dim * dim + 256 * dim + dim * dim
+        per_block = (
+            2 * 6 * dim * dim + tokens * 4 * dim * dim + 2 * tokens * tokens * dim + tokens * 8 * dim * dim
+        )
+        macs += config.num_layers * per_block
+        macs += 2 * dim * dim + n * dim * config.patch_size**2 * config.out_channels
+        return float(2 * batch * macs)
+
+
+def _mask_or_ones(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
+
+
+def _pad_text(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [P, l, D] embeds with zeros and [P, l] masks with 0 to `length` (as the pipeline pads)."""
+    extra = length - embeds.shape[1]
+    if extra == 0:
+        return embeds, mask
+    return F.pad(embeds, (0, 0, 0, extra)), F.pad(mask, (0, extra))
+
+
+# ---------------------------------------------------------------------------------- tiny builder
+
+#: The real checkpoint's scheduler config (Qwen/Qwen-Image scheduler/scheduler_config.json).
+QWEN_IMAGE_SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+# Special tokens of the Qwen2 / Qwen2.5-VL vocabulary the tiny tokenizer carries (the chat template
+# uses <|im_start|> and <|im_end|>; <|endoftext|> pads; the vision tokens keep the encoder config's ids
+# inside the vocabulary).
+_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_TINY_VOCAB_SIZE = 512
+# Words the tiny vocabulary learns whole (beyond the prompt template's): the kind of prompts the
+# tests and the shapes world use.
+_TINY_CORPUS_WORDS = (
+    "a photo of an image with one two three four five red green blue yellow purple orange black white "
+    "circle square triangle star cat dog on the left right top bottom above below next to small large "
+    "blurry low quality text that says hello world"
+)
+
+
+def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int):
+    """A byte-level BPE `Qwen2Tokenizer` built offline with the `tokenizers` library.
+
+    Trained on the pipeline's prompt template (so that the template's prefix, up to the prompt, is
+    `template_start_idx` tokens, 34 like the real tokenizer's, and the pipeline's
+    `prompt_template_encode_start_idx` drops exactly the template) plus a few common words. The
+    pre-tokenizer (Qwen2's regex split + byte level), normaliser (NFC) and decoder are the ones
+    `Qwen2Tokenizer` sets itself; <|im_start|> / <|im_end|> and the other Qwen2.5-VL special
+    tokens are special tokens, <|endoftext|> pads.
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TINY_VOCAB_SIZE,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(
+        [prompt_template.format(_TINY_CORPUS_WORDS)] * 8 + [_TINY_CORPUS_WORDS] * 8, trainer
+    )
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=[tuple(pair) for pair in model["merges"]],
+        additional_special_tokens=list(_SPECIAL_TOKENS[1:]),
+    )
+    prefix_len = len(tokenizer(prompt_template.split("{}")[0]).input_ids)
+    if prefix_len != template_start_idx:
+        raise AssertionError(
+            f"the tiny tokenizer splits the prompt template's prefix into {prefix_len} tokens; "
+            f"the pipeline drops {template_start_idx}"
+        )
+    return tokenizer
+
+
+def build_tiny(path: Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen-Image pipeline (real diffusers/transformers classes) to `path`.
+
+    Transformer: 2 dual-stream blocks, 2 heads x 16, text dim 32, in_channels 64 (16 x 2 x 2) as the
+    real one. VAE: `AutoencoderKLQwenImage` with 3 downsamples (8x, as real) and z_dim 16 with the
+    real latents_mean/std (the class defaults). Text encoder: `Qwen2_5_VLForConditionalGeneration`
+    with a 2-layer text model (hidden 32, mrope) and a 1-block vision tower. Tokenizer:
+    `tiny_qwen2_tokenizer` on the pipeline's own template. Scheduler: the real config.
+    Deterministic from `seed`; about 1 MB.
+    """
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    path = Path(path)
+    text_dim = 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=text_dim,
+            axes_dims_rope=(4, 6, 6),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
+        # The prompt template and its prefix length live on pipeline instances (set in __init__):
+        # build the pipeline first, then the tokenizer and text encoder that must agree with them.
+        pipe = QwenImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+            vae=vae,
+            text_encoder=None,
+            tokenizer=None,
+            transformer=transformer,
+        )
+        tokenizer = tiny_qwen2_tokenizer(pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx)
+        ids = tokenizer.convert_tokens_to_ids
+        encoder_config = Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": text_dim,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": 2048,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [2, 3, 3],
+                },
+                "bos_token_id": ids("<|endoftext|>"),
+                "eos_token_id": ids("<|im_end|>"),
+                "pad_token_id": ids("<|endoftext|>"),
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": text_dim,
+                "fullatt_block_indexes": [0],
+            },
+            image_token_id=ids("<|image_pad|>"),
+            video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"),
+            vision_end_token_id=ids("<|vision_end|>"),
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(encoder_config).eval()
+    pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer)
+    pipe.save_pretrained(path)
+    return path
