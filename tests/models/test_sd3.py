@@ -1,7 +1,10 @@
+import copy
+
 import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
+from peft import LoraConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -47,18 +50,30 @@ def test_loads_through_registry(adapter, tiny_dir):
     assert build_tiny_family("sd3", tiny_dir.parent / "via_registry") == tiny_dir.parent / "via_registry"
 
 
-def test_lora_targets_exist_in_the_blocks(adapter):
-    names = [name for name, _ in adapter.transformer.named_modules()]
-    for target in SD3Adapter.default_lora_target_modules:
-        hits = [n for n in names if n.endswith("." + target)]
-        assert hits, target
-        # suffix matching (as PEFT does) never reaches SD3.5's second attention
-        assert not any(".attn2." in n for n in hits)
-    assert all(
-        isinstance(adapter.transformer.get_submodule(n), torch.nn.Linear)
-        for n in names
-        if n.endswith(".attn.to_q")
+def test_lora_targets_are_flow_grpos_attention_projections(adapter):
+    transformer = copy.deepcopy(adapter.transformer)
+    transformer.add_adapter(
+        LoraConfig(r=2, lora_alpha=4, target_modules=list(SD3Adapter.default_lora_target_modules))
     )
+    adapted = {n.removesuffix(".lora_A") for n, _ in transformer.named_modules() if n.endswith(".lora_A")}
+    # both streams of the joint attention in every block; the last block (context_pre_only) has no
+    # to_add_out; SD3.5's attn2 and the MLPs stay frozen, as in Flow-GRPO's SD3 recipe
+    expected = {
+        f"transformer_blocks.{i}.attn.{name}"
+        for i in range(2)
+        for name in (
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_add_out",
+        )
+        if not (i == 1 and name == "to_add_out")
+    }
+    assert adapted == expected
 
 
 @pytest.mark.parametrize("negatives", [None, NEGATIVES])
