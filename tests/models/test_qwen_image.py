@@ -19,8 +19,8 @@ NEGATIVES = ["", "blurry low quality"]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("qwen_image") / "tiny", seed=0)
+def tiny_dir(tiny_model):
+    return tiny_model("qwen_image")  # built once per session (tests/conftest.py), via diffrl.models.tiny
 
 
 @pytest.fixture(scope="module")
