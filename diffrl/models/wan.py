@@ -160,7 +160,7 @@ class WanAdapter(ModelAdapter):
         hidden = latents.to(self.device, self.dtype)
         timestep = self._model_timestep(timestep_B, latents)
         embeds = cond.embeds.to(self.device, self.dtype)
-        cfg = cond.has_negative and guidance_scale > 1.0
+        cfg = cond.has_negative and self.wants_negative(guidance_scale)
         if cfg:
             negative = cond.negative_embeds.to(self.device, self.dtype)
             hidden = torch.cat([hidden, hidden])
@@ -223,7 +223,7 @@ class WanAdapter(ModelAdapter):
 
 
 def build_tiny(path: Path, seed: int = 0) -> Path:
-    """Write a tiny random Wan2.1-style text-to-video pipeline to `path` (about 1 MB).
+    """Write a tiny random Wan2.1-style text-to-video pipeline to `path` (about 1.2 MB).
 
     Real classes at small sizes: a 2-block `WanTransformer3DModel` (2 heads × 16), an
     `AutoencoderKLWan` with Wan2.1's compression (×4 time, ×8 space; `z_dim` 4 with its own
