@@ -86,8 +86,8 @@ class PipelineConfig:
     height: int = 512
     width: int = 512
     num_inference_steps: int = 10
-    guidance_scale: float = 4.5  # standard CFG; 1.0 disables CFG (one forward pass per step)
-    true_cfg_scale: float | None = None  # Qwen-Image's true CFG with norm rescale; null = off
+    guidance_scale: float = 4.5  # SD3/Wan: CFG scale (1.0 = off, one pass); FLUX: distilled guidance
+    true_cfg_scale: float | None = None  # FLUX/Qwen-Image true CFG (Qwen-Image: norm rescale); null = off
     max_sequence_length: int = 256  # text tokens
     num_frames: int = 1  # > 1 only for video families (Wan)
     negative_prompt: str = ""

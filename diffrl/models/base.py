@@ -75,7 +75,7 @@ class ModelAdapter(ABC):
     @classmethod
     def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
         """Load with diffusers' own `from_pretrained`, local files only (nothing from a hub)."""
-        pipe = DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         return cls(pipe, device, dtype)
@@ -114,10 +114,12 @@ class ModelAdapter(ABC):
     ) -> PromptEmbeds:
         """Encode P prompts (and their negatives when CFG is on; None = no CFG) without grad."""
 
-    def wants_negative(self, guidance_scale: float) -> bool:
-        """Whether guidance at this scale runs an unconditional pass on negative-prompt embeddings.
+    def wants_negative(self, guidance_scale: float, true_cfg_scale: float | None = None) -> bool:
+        """Whether these guidance settings run an unconditional pass on negative-prompt embeddings.
 
-        True for classic CFG above 1; guidance-distilled families override it.
+        Classic CFG families (SD3, Wan): guidance_scale > 1. Families whose `guidance_scale` is a
+        distilled guidance embedding (FLUX) or unused (Qwen-Image) override this and look at
+        `true_cfg_scale` instead.
         """
         return guidance_scale > 1.0
 
@@ -162,12 +164,17 @@ class ModelAdapter(ABC):
         height: int,
         width: int,
         num_frames: int = 1,
+        *,
+        true_cfg_scale: float | None = None,
     ) -> torch.Tensor:
         """fp32 velocity for fp32 `latents` [B, ...] at model timesteps `timestep_B` (Schedule.timesteps).
 
-        `cond` has one row per sample. With CFG (`cond.has_negative` and guidance_scale > 1) the
-        conditional and unconditional halves run as one batched forward of 2B. Differentiable:
-        the trainer calls it with grad enabled.
+        `cond` has one row per sample. With CFG (`cond.has_negative` and `wants_negative(...)`) the
+        conditional and unconditional halves run as one batched forward of 2B. `guidance_scale` is
+        the family's pipeline argument of that name (classic CFG for SD3/Wan, the distilled
+        guidance embedding for FLUX); `true_cfg_scale` is the pipelines' true CFG (FLUX, and
+        Qwen-Image with norm rescale), None = off; families without it raise when it is set.
+        Differentiable: the trainer calls it with grad enabled.
         """
 
     @abstractmethod

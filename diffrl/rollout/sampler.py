@@ -160,8 +160,8 @@ class TrajectorySampler:
             )
         adapter, pipe = self.adapter, self.cfg.pipeline
         size = dict(height=pipe.height, width=pipe.width, num_frames=pipe.num_frames)
-        guidance = pipe.guidance_scale
-        if negative_prompts is None and adapter.wants_negative(guidance):
+        guidance, true_cfg = pipe.guidance_scale, pipe.true_cfg_scale
+        if negative_prompts is None and adapter.wants_negative(guidance, true_cfg):
             negative_prompts = [pipe.negative_prompt] * len(prompts)
         with torch.no_grad():
             prompt_embeds = self.encode(prompts, negative_prompts)
@@ -186,7 +186,9 @@ class TrajectorySampler:
                 x = adapter.init_noise(gens, **size)
                 kept, log_probs, means, stds = [x], [], [], []
                 for k in range(num_steps):
-                    v = adapter.velocity(x, timesteps[k].expand(x.shape[0]), cond, guidance, **size)
+                    v = adapter.velocity(
+                        x, timesteps[k].expand(x.shape[0]), cond, guidance, **size, true_cfg_scale=true_cfg
+                    )
                     in_window = k0 <= k < k0 + w
                     out = sde.step(
                         sde_type if in_window else "ode",
@@ -234,6 +236,7 @@ class TrajectorySampler:
             settings=RolloutSettings(
                 num_inference_steps=num_steps,
                 guidance_scale=guidance,
+                true_cfg_scale=true_cfg,
                 sde_type=sde_type,
                 noise_level=noise_level,
                 sigma_1=schedule.sigma_1,
@@ -280,6 +283,7 @@ def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOu
         height=s.height,
         width=s.width,
         num_frames=s.num_frames,
+        true_cfg_scale=s.true_cfg_scale,
     )
     return sde.step(
         s.sde_type,

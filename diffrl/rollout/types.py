@@ -20,6 +20,7 @@ class RolloutSettings:
     num_frames: int
     num_inference_steps: int
     guidance_scale: float
+    true_cfg_scale: float | None
     sde_type: str  # the kind of the window steps ("ode" for a validation rollout)
     noise_level: float
     sigma_1: float  # the schedule's second sigma (the `sde` kind needs it at σ = 1)
