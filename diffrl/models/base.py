@@ -66,6 +66,8 @@ class ModelAdapter(ABC):
     default_lora_target_modules: ClassVar[tuple[str, ...]]
     #: True for video families: pixels come out as [B, T, 3, H, W].
     is_video: ClassVar[bool] = False
+    #: Components loaded in a dtype of their own instead of `model.dtype` (e.g. Wan's VAE in fp32).
+    component_dtypes: ClassVar[dict[str, torch.dtype]] = {}
 
     def __init__(self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
         self.pipe = pipe
@@ -75,7 +77,8 @@ class ModelAdapter(ABC):
     @classmethod
     def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
         """Load with diffusers' own `from_pretrained`, local files only (nothing from a hub)."""
-        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        dtypes = {"default": dtype, **cls.component_dtypes}
+        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtypes, local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         return cls(pipe, device, dtype)
@@ -122,6 +125,14 @@ class ModelAdapter(ABC):
         `true_cfg_scale` instead.
         """
         return guidance_scale > 1.0
+
+    def _require_no_true_cfg(self, true_cfg_scale: float | None) -> None:
+        """For classic-CFG families, whose `guidance_scale` already is CFG."""
+        if true_cfg_scale is not None:
+            raise ValueError(
+                f"true_cfg_scale={true_cfg_scale} does not apply to {type(self).__name__}: its CFG scale is "
+                "guidance_scale (rollout.pipeline.guidance_scale); set rollout.pipeline.true_cfg_scale=null"
+            )
 
     # ------------------------------------------------------------------------------ latents
     @abstractmethod
@@ -183,7 +194,9 @@ class ModelAdapter(ABC):
 
     # ------------------------------------------------------------------------------ facts
     @abstractmethod
-    def flops_per_forward(self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1) -> float:
+    def flops_per_forward(
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+    ) -> float:
         """Transformer FLOPs of one forward over `batch` samples (a CFG pair counts as 2 samples).
 
         Count 2·(multiply-accumulates) of every matmul including attention scores and values; in

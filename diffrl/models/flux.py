@@ -105,10 +105,9 @@ class FluxAdapter(ModelAdapter):
                 fields = {"negative_embeds": neg_embeds, "negative_pooled": neg_pooled}
         return PromptEmbeds(embeds=embeds, pooled=pooled, **fields, batch_size=[len(prompts)])
 
-    def wants_negative(self, guidance_scale: float) -> bool:
-        """False: FLUX's `guidance_scale` is the distilled guidance embedding, not CFG (no negative
-        pass). True CFG is opt-in through `velocity(..., true_cfg_scale=s)` with negatives."""
-        return False
+    def wants_negative(self, guidance_scale: float, true_cfg_scale: float | None = None) -> bool:
+        """Only true CFG needs negatives: FLUX's `guidance_scale` is the distilled guidance embedding."""
+        return true_cfg_scale is not None and true_cfg_scale > 1
 
     # ------------------------------------------------------------------------------ latents
     def _latent_hw(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
@@ -142,7 +141,7 @@ class FluxAdapter(ModelAdapter):
         width: int,
         num_frames: int = 1,
         *,
-        true_cfg_scale: float = 1.0,
+        true_cfg_scale: float | None = None,
     ) -> torch.Tensor:
         """fp32 velocity [B, N, 64] for packed fp32 latents [B, N, 64] at model timesteps 1000·σ.
 
@@ -162,7 +161,7 @@ class FluxAdapter(ModelAdapter):
                 f"need one cond row and one timestep per sample: latents B={batch}, "
                 f"cond rows={cond.batch_size[0]}, timestep_B shape={tuple(timestep_B.shape)}"
             )
-        do_cfg = cond.has_negative and true_cfg_scale > 1
+        do_cfg = cond.has_negative and self.wants_negative(guidance_scale, true_cfg_scale)
 
         hidden = latents.to(self.device, self.dtype)
         # As the pipeline: t.expand(B).to(latents.dtype), then passed as timestep / 1000.

@@ -20,8 +20,8 @@ What the diffusers pipeline does, and therefore what this adapter does:
   forward takes the mask (it builds the joint text+image attention mask from it and uses the
   padded text length for the text RoPE positions, so right-padding does not move real tokens).
 - CFG: Qwen-Image uses *true* CFG with norm rescale, driven by the pipeline's `true_cfg_scale`
-  (its `guidance_scale` is for guidance-distilled variants, which this adapter rejects). In
-  `velocity`, the `guidance_scale` argument IS that true CFG scale g:
+  (its `guidance_scale` is for guidance-distilled variants, which this adapter rejects, so the
+  `guidance_scale` argument of `velocity` is ignored). With `velocity(..., true_cfg_scale=g)`:
 
       v = v_u + g·(v_c − v_u);   v ← v·‖v_c‖/‖v‖   (2-norm over the last, packed-channel dim, per token)
 
@@ -56,8 +56,8 @@ from diffrl.models.base import ModelAdapter, PromptEmbeds, to_uint8
 class QwenImageAdapter(ModelAdapter):
     """Qwen-Image text-to-image (MMDiT with dual-stream `QwenImageTransformerBlock`s).
 
-    `velocity(..., guidance_scale=g)`: g is Qwen-Image's *true CFG scale* (`true_cfg_scale` of the
-    diffusers pipeline), applied with norm rescale when `cond.has_negative` and g > 1.
+    `velocity(..., true_cfg_scale=g)`: Qwen-Image's true CFG (`true_cfg_scale` of the diffusers
+    pipeline), applied with norm rescale when `cond.has_negative` and g > 1.
     """
 
     pipeline_class_name = "QwenImagePipeline"
@@ -183,6 +183,10 @@ class QwenImageAdapter(ModelAdapter):
             generators,
         )
 
+    def wants_negative(self, guidance_scale: float, true_cfg_scale: float | None = None) -> bool:
+        """Only true CFG runs a negative pass (`guidance_scale` belongs to distilled variants)."""
+        return true_cfg_scale is not None and true_cfg_scale > 1
+
     # ------------------------------------------------------------------------------ network
     def velocity(
         self,
@@ -193,8 +197,10 @@ class QwenImageAdapter(ModelAdapter):
         height: int,
         width: int,
         num_frames: int = 1,
+        *,
+        true_cfg_scale: float | None = None,
     ) -> torch.Tensor:
-        """fp32 velocity [B, N, 64]; `guidance_scale` is the true CFG scale (module docstring)."""
+        """fp32 velocity [B, N, 64]; true CFG with norm rescale when `true_cfg_scale` > 1 (module docstring)."""
         h, w = self._latent_hw(height, width, num_frames)
         batch = latents.shape[0]
         if cond.batch_size[0] != batch:
@@ -203,7 +209,7 @@ class QwenImageAdapter(ModelAdapter):
             )
         hidden_states = latents.to(self.device, self.dtype)
         timestep = torch.as_tensor(timestep_B, device=self.device).to(self.dtype).expand(batch)
-        do_cfg = cond.has_negative and guidance_scale > 1
+        do_cfg = cond.has_negative and self.wants_negative(guidance_scale, true_cfg_scale)
         if do_cfg:
             length = max(cond.embeds.shape[1], cond.negative_embeds.shape[1])
             negative = _pad_text(
@@ -229,7 +235,7 @@ class QwenImageAdapter(ModelAdapter):
         if not do_cfg:
             return noise_pred
         v_uncond, v_cond = noise_pred.chunk(2)
-        combined = v_uncond + guidance_scale * (v_cond - v_uncond)
+        combined = v_uncond + true_cfg_scale * (v_cond - v_uncond)
         cond_norm = torch.norm(v_cond, dim=-1, keepdim=True)
         combined_norm = torch.norm(combined, dim=-1, keepdim=True)
         return combined * (cond_norm / combined_norm)

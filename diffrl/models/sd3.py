@@ -133,8 +133,11 @@ class SD3Adapter(ModelAdapter):
         height: int,
         width: int,
         num_frames: int = 1,
+        *,
+        true_cfg_scale: float | None = None,
     ) -> torch.Tensor:
         """One step of the pipeline's denoising loop: the transformer call, then standard CFG."""
+        self._require_no_true_cfg(true_cfg_scale)
         batch = latents.shape[0]
         if tuple(latents.shape[1:]) != self.latent_shape(height, width, num_frames):
             raise ValueError(

@@ -59,6 +59,7 @@ class WanAdapter(ModelAdapter):
     # FFN (GELU-tanh up projection `ffn.net.0.proj`, down projection `ffn.net.2`).
     default_lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
     is_video = True
+    component_dtypes = {"vae": torch.float32}  # the Wan examples decode in fp32
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
@@ -69,16 +70,6 @@ class WanAdapter(ModelAdapter):
                 "this is a two-expert Wan2.2 pipeline (transformer_2 / boundary_ratio): diffrl does not "
                 "sample it yet; use a single-transformer Wan2.1 or Wan2.2 TI2V directory"
             )
-
-    @classmethod
-    def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> WanAdapter:
-        """As `ModelAdapter.from_pretrained`, but the VAE loads in fp32 as in the Wan examples."""
-        pipe = DiffusionPipeline.from_pretrained(
-            str(path), torch_dtype={"default": dtype, "vae": torch.float32}, local_files_only=True
-        )
-        pipe.set_progress_bar_config(disable=True)
-        pipe.to(device)
-        return cls(pipe, device, dtype)
 
     # ------------------------------------------------------------------------------ text
     def encode_prompts(
@@ -150,7 +141,10 @@ class WanAdapter(ModelAdapter):
         height: int,
         width: int,
         num_frames: int = 1,
+        *,
+        true_cfg_scale: float | None = None,
     ) -> torch.Tensor:
+        self._require_no_true_cfg(true_cfg_scale)
         batch = latents.shape[0]
         if cond.batch_size[0] != batch or timestep_B.shape != (batch,):
             raise ValueError(

@@ -23,7 +23,9 @@ def test_directory_without_model_index(tmp_path):
 
 def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
-    with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*supported: FluxPipeline, QwenImagePipeline"):
+    with pytest.raises(
+        ValueError, match="StableDiffusionXLPipeline.*supported: FluxPipeline, QwenImagePipeline"
+    ):
         load_model(tmp_path)
 
 

@@ -38,7 +38,7 @@ def _ode_sample(adapter, noise, cond, guidance_scale, num_steps):
     for k in range(num_steps):
         t_B = schedule.timesteps[k].expand(x.shape[0])
         with torch.no_grad():
-            v = adapter.velocity(x, t_B, cond, guidance_scale, HEIGHT, WIDTH)
+            v = adapter.velocity(x, t_B, cond, 1.0, HEIGHT, WIDTH, true_cfg_scale=guidance_scale)
         x = step("ode", x, v, schedule.sigmas[k], schedule.sigmas[k + 1], 0.0).next_latents
     return x
 
@@ -165,7 +165,7 @@ def test_flops_match_flop_counter(adapter):
     # The math SDPA backend decomposes attention into matmuls the counter sees (the CPU flash
     # kernel has no registered flop formula).
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        adapter.velocity(noise, t_B, cond, 4.0, HEIGHT, WIDTH)
+        adapter.velocity(noise, t_B, cond, 1.0, HEIGHT, WIDTH, true_cfg_scale=4.0)
     measured = counter.get_total_flops()
     analytic = adapter.flops_per_forward(4, HEIGHT, WIDTH, text_len)  # a CFG pair of 2 = 4 samples
     assert abs(analytic - measured) / measured < 0.02, (analytic, measured)
@@ -180,7 +180,7 @@ def test_velocity_one_batched_forward_and_differentiable(adapter):
     try:
         noise = _noise(adapter)
         latents = noise.clone().requires_grad_(True)
-        v = adapter.velocity(latents, torch.full((2,), 700.0), cond, 4.0, HEIGHT, WIDTH)
+        v = adapter.velocity(latents, torch.full((2,), 700.0), cond, 1.0, HEIGHT, WIDTH, true_cfg_scale=4.0)
         assert calls == [4] and v.dtype == torch.float32 and v.shape == noise.shape
         v.square().mean().backward()
         weight = adapter.transformer.transformer_blocks[0].attn.to_q.weight
@@ -190,7 +190,9 @@ def test_velocity_one_batched_forward_and_differentiable(adapter):
 
         calls.clear()
         with torch.no_grad():
-            adapter.velocity(noise, torch.full((2,), 700.0), cond, 1.0, HEIGHT, WIDTH)  # CFG off
+            adapter.velocity(
+                noise, torch.full((2,), 700.0), cond, 1.0, HEIGHT, WIDTH, true_cfg_scale=1.0
+            )  # CFG off
         assert calls == [2]
     finally:
         handle.remove()

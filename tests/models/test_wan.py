@@ -65,7 +65,7 @@ def adapter(tiny_dir) -> WanAdapter:
 @pytest.fixture(scope="module")
 def pipe(tiny_dir) -> WanPipeline:
     """diffusers' own pipeline on the same directory: the independent reference."""
-    pipe = WanPipeline.from_pretrained(str(tiny_dir), torch_dtype=torch.float32, local_files_only=True)
+    pipe = WanPipeline.from_pretrained(str(tiny_dir), dtype=torch.float32, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -266,7 +266,7 @@ def test_unipc_flow_sigmas_directory_samples_as_euler(tiny_dir, adapter, pipe, t
     unipc = WanPipeline.from_pretrained(
         str(tiny_dir),
         scheduler=UniPCMultistepScheduler.from_config(WAN21_UNIPC),
-        torch_dtype=torch.float32,
+        dtype=torch.float32,
         local_files_only=True,
     )
     unipc.save_pretrained(tmp_path / "unipc")

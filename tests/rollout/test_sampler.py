@@ -70,8 +70,10 @@ def test_rollout_is_independent_of_micro_batch_size(sd3):
         results.append(TrajectorySampler(sd3, cfg, progress=False).sample(PROMPTS, seed=7, step=2))
     first = results[0].samples
     for other in results[1:]:
-        torch.testing.assert_close(other.samples.window_latents, first.window_latents, rtol=0, atol=1e-6)
-        torch.testing.assert_close(other.samples.log_probs_BW, first.log_probs_BW, rtol=0, atol=1e-5)
+        # Same noise and the same math: what remains is the float rounding of batched matmuls,
+        # whose reduction order depends on the batch size (a wrong seed would differ by O(1)).
+        torch.testing.assert_close(other.samples.window_latents, first.window_latents, rtol=0, atol=2e-5)
+        torch.testing.assert_close(other.samples.log_probs_BW, first.log_probs_BW, rtol=0, atol=1e-4)
         assert torch.equal(other.samples.pixels, first.pixels) or (
             (other.samples.pixels.int() - first.pixels.int()).abs().max() <= 1
         )
