@@ -1,0 +1,261 @@
+"""The one contract every reward follows, and the helpers that enforce it.
+
+A reward is a callable
+
+    reward(pixels, prompts, metadata) -> RewardOutput
+
+- `pixels`: uint8 tensor, images `[B, 3, H, W]` or videos `[B, T, 3, H, W]` (RGB, 0..255), the
+  sampler's decoded output. Rewards never see latents, so any reward works with any model family.
+- `prompts`: B strings, the prompt of each sample.
+- `metadata`: B dicts, the per-sample fields of the prompt's dataset row (an OCR target text, a
+  shapes spec, ...). Rewards read the keys they document and ignore the rest.
+- `RewardOutput.scores_B`: float32 `(B,)`, higher is better; `extras`: named per-sample tensors
+  with a leading dimension B (an OCR edit distance, ...), logged alongside the scores.
+
+Rewards that only need to look at single images subclass `ImageReward` and implement
+`score_images` on `[N, 3, H, W]` frames; videos are then scored frame by frame and each sample's
+score is the mean over its frames, so every image reward also works on video.
+
+User functions may be sloppier than built-ins: `as_reward_output` accepts a `RewardOutput`, a
+tensor, a NumPy array or a list of floats, and `resolve_awaitable` runs `async def` rewards, so the
+caller (`MultiReward`, the HTTP server) always gets a checked `RewardOutput`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+@dataclass
+class RewardOutput:
+    """What a reward returns for a batch of B samples.
+
+    scores_B: float32 (B,) on the CPU, higher is better; finite.
+    extras:   name -> tensor with leading dimension B (per-sample diagnostics, logged, not optimised).
+    """
+
+    scores_B: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.scores_B.shape[0])
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Anything callable as `reward(pixels, prompts, metadata) -> RewardOutput`."""
+
+    def __call__(
+        self, pixels: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput: ...
+
+
+def check_batch(
+    pixels: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]] | None,
+) -> list[dict[str, Any]]:
+    """Validate one batch against the contract; returns the metadata as a list of B dicts.
+
+    `metadata=None` is accepted as "no metadata" (B empty dicts), for callers without a dataset.
+    """
+    if not isinstance(pixels, torch.Tensor):
+        raise ValueError(f"pixels must be a torch.Tensor, got {type(pixels).__name__}")
+    if pixels.dtype != torch.uint8:
+        raise ValueError(
+            f"pixels must be uint8 (0..255), got dtype {pixels.dtype}; convert with "
+            "(x.clamp(0, 1) * 255).round().to(torch.uint8)"
+        )
+    is_image = pixels.ndim == 4 and pixels.shape[1] == 3
+    is_video = pixels.ndim == 5 and pixels.shape[2] == 3
+    if not (is_image or is_video):
+        raise ValueError(
+            f"pixels must have shape [B, 3, H, W] (images) or [B, T, 3, H, W] (videos), got {tuple(pixels.shape)}"
+        )
+    batch = pixels.shape[0]
+    if batch == 0:
+        raise ValueError("pixels holds no samples (B = 0)")
+    if isinstance(prompts, str) or len(prompts) != batch:
+        raise ValueError(f"prompts must be a list of B={batch} strings, got {prompts!r:.200}")
+    if metadata is None:
+        return [{} for _ in range(batch)]
+    if len(metadata) != batch:
+        raise ValueError(f"metadata must be a list of B={batch} dicts, got {len(metadata)} entries")
+    for i, row in enumerate(metadata):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"metadata[{i}] must be a dict, got {type(row).__name__}: {row!r:.200}")
+    return [dict(row) for row in metadata]
+
+
+def as_reward_output(result: Any, batch_size: int, name: str) -> RewardOutput:
+    """Normalise what a reward returned to a checked `RewardOutput` (float32, CPU, shape (B,)).
+
+    Accepts a `RewardOutput`, or bare scores as a tensor / NumPy array / sequence of numbers.
+    Raises ValueError naming the reward when the shape is wrong or a score is not finite (a NaN
+    reward would silently poison every advantage of its group).
+    """
+    if isinstance(result, RewardOutput):
+        scores, extras = result.scores_B, result.extras
+    else:
+        scores, extras = result, {}
+    try:
+        scores_B = torch.as_tensor(np.asarray(scores) if not isinstance(scores, torch.Tensor) else scores)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"reward {name!r} returned {type(result).__name__}, which is not scores: return a RewardOutput, "
+            f"a tensor, or a list of {batch_size} floats"
+        ) from err
+    scores_B = scores_B.detach().to("cpu", torch.float32).contiguous()
+    if tuple(scores_B.shape) != (batch_size,):
+        raise ValueError(
+            f"reward {name!r} returned scores of shape {tuple(scores_B.shape)}; expected ({batch_size},), "
+            "one score per sample"
+        )
+    bad = (~torch.isfinite(scores_B)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"reward {name!r} returned non-finite scores for samples {bad[:10]} "
+            f"(values {scores_B[bad[:10]].tolist()})"
+        )
+    checked: dict[str, torch.Tensor] = {}
+    for key, value in extras.items():
+        tensor = torch.as_tensor(value).detach().cpu()
+        if tensor.ndim == 0 or tensor.shape[0] != batch_size:
+            raise ValueError(
+                f"reward {name!r} extra {key!r} has shape {tuple(tensor.shape)}; extras need a leading "
+                f"dimension B={batch_size}"
+            )
+        checked[str(key)] = tensor
+    return RewardOutput(scores_B, checked)
+
+
+def resolve_awaitable(result: Any) -> Any:
+    """Run `result` to completion if it is awaitable (an `async def` reward); else return it.
+
+    Reward calls are synchronous in diffrl. When this thread already runs an event loop (a reward
+    called from async code), the coroutine runs on a fresh loop in a helper thread, since
+    `asyncio.run` cannot nest.
+    """
+    if not inspect.isawaitable(result):
+        return result
+
+    async def _await() -> Any:
+        return await result
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_await())
+    box: dict[str, Any] = {}
+
+    def _runner() -> None:
+        try:
+            box["value"] = asyncio.run(_await())
+        except BaseException as err:  # re-raised in the calling thread below
+            box["error"] = err
+
+    thread = threading.Thread(target=_runner, name="diffrl-async-reward")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def call_reward(
+    reward: Reward,
+    pixels: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    name: str,
+) -> RewardOutput:
+    """Call any reward (sync or async, strict or sloppy output) and return a checked output."""
+    result = resolve_awaitable(reward(pixels, list(prompts), list(metadata)))
+    return as_reward_output(result, int(pixels.shape[0]), name)
+
+
+# ------------------------------------------------------------------------------ frames / images
+def flatten_frames(pixels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`[B,3,H,W]` -> (itself, T=1); `[B,T,3,H,W]` -> (`[B*T,3,H,W]`, T), sample-major."""
+    if pixels.ndim == 4:
+        return pixels, 1
+    batch, frames = pixels.shape[:2]
+    return pixels.reshape(batch * frames, *pixels.shape[2:]), frames
+
+
+def mean_over_frames(values_N: torch.Tensor, frames: int) -> torch.Tensor:
+    """Average a per-frame `(B*T, ...)` tensor over each sample's T frames -> `(B, ...)` float32."""
+    if frames == 1:
+        return values_N
+    return values_N.reshape(-1, frames, *values_N.shape[1:]).to(torch.float32).mean(dim=1)
+
+
+def to_pil(frames_N3HW: torch.Tensor) -> list[Image.Image]:
+    """uint8 `[N,3,H,W]` -> N RGB PIL images (for Pillow, Tesseract and CLIP preprocessing)."""
+    array_NHW3 = frames_N3HW.detach().to("cpu").permute(0, 2, 3, 1).contiguous().numpy()
+    return [Image.fromarray(frame, mode="RGB") for frame in array_NHW3]
+
+
+class ImageReward:
+    """Base class of rewards that judge one image at a time.
+
+    Subclasses implement `score_images(frames_N3HW, prompts_N, metadata_N) -> RewardOutput`.
+    `__call__` checks the batch, flattens videos to frames (each frame gets its sample's prompt and
+    metadata), and averages scores and float extras over each sample's frames.
+    """
+
+    name: str = "image_reward"
+
+    def score_images(
+        self, frames_N3HW: torch.Tensor, prompts_N: list[str], metadata_N: list[dict[str, Any]]
+    ) -> RewardOutput:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        pixels: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardOutput:
+        rows = check_batch(pixels, prompts, metadata)
+        frames_N3HW, frames = flatten_frames(pixels)
+        prompts_N = [p for p in prompts for _ in range(frames)]
+        metadata_N = [row for row in rows for _ in range(frames)]
+        out = as_reward_output(
+            self.score_images(frames_N3HW, prompts_N, metadata_N), frames_N3HW.shape[0], self.name
+        )
+        if frames == 1:
+            return out
+        extras = {key: mean_over_frames(value, frames) for key, value in out.extras.items()}
+        return RewardOutput(mean_over_frames(out.scores_B, frames), extras)
+
+
+def auto_device(device: str) -> torch.device:
+    """`"auto"` -> the GPU when one is visible (a Ray reward worker with num_gpus > 0), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"device={device!r} is not a torch device: use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from err
+
+
+def auto_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`"auto"` -> bfloat16 on a GPU, float32 on the CPU; else the named torch dtype."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in choices:
+        raise ValueError(f"dtype={dtype!r} is invalid: must be 'auto' or one of {', '.join(choices)}")
+    return choices[dtype]

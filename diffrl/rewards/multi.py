@@ -1,0 +1,220 @@
+"""Several rewards at once: a weighted sum, per-reward scores and metrics, and failure policy.
+
+    total_B = sum_k weight_k * scores_k_B          over the entries of `reward.functions`
+
+Failure policy, per entry (`reward.functions.<name>.required`):
+
+- `required: true` (the default): an exception while scoring stops the run with `RewardError`
+  naming the reward, the batch size and the cause (and how to make the reward optional).
+- `required: false`: the reward scores 0 for every sample of the failed micro-batch, the failure is
+  logged (a warning with the cause) and counted; the other rewards still count. Use this for a
+  remote scorer that may hiccup, where losing one micro-batch's signal beats losing the run.
+
+Metrics of a step (`RewardBatch.metrics(uids)`), in the scheme of `diffrl.algos.metrics`:
+
+    rewards/{mean,max,min,zero_std_ratio,std_mean,group_size}           the weighted total
+    rewards/<name>/{mean,max,min,zero_std_ratio,std_mean,group_size}    each reward, unweighted
+    rewards/<name>/failed_batches      micro-batches on which <name> failed (scored 0)
+    rewards/<name>/failed_fraction     fraction of the step's samples scored 0 that way
+    rewards/<name>/seconds             wall time spent scoring with <name>, summed over micro-batches
+    rewards/<name>/<extra>_mean        mean of each float extra (e.g. rewards/ocr/edit_distance_mean)
+
+`<name>` is the entry's key made metric-safe (`http@ocr` -> `http_ocr`, see `metric_name`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffrl.algos.metrics import reward_metrics
+from diffrl.rewards.base import Reward, call_reward, check_batch
+from diffrl.rewards.registry import build_reward, check_reward_spec, metric_name
+
+logger = logging.getLogger(__name__)
+
+
+class RewardError(RuntimeError):
+    """A required reward failed; the run cannot continue with a wrong reward signal."""
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One entry of `reward.functions`: the reward's name (key), weight, policy and args."""
+
+    name: str
+    weight: float = 1.0
+    required: bool = True
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+
+def reward_specs(functions: Mapping[str, Any]) -> list[RewardSpec]:
+    """Specs from `RewardConfig.functions` (`RewardFnConfig` objects) or plain dicts with the same
+    keys (`weight`, `required`, `args`); checks every name and args without loading any model."""
+    if not functions:
+        raise ValueError(
+            "reward.functions is empty: name at least one reward, e.g. reward.functions.jpeg_compressibility.weight=1 "
+            "(docs/rewards.md lists them)"
+        )
+    specs = []
+    for name, entry in functions.items():
+        if isinstance(entry, RewardSpec):
+            spec = entry
+        elif isinstance(entry, Mapping):
+            unknown = set(entry) - {"weight", "required", "args"}
+            if unknown:
+                raise ValueError(
+                    f"reward.functions.{name} has unknown key(s) {sorted(unknown)}: use weight, required, args"
+                )
+            spec = RewardSpec(
+                str(name),
+                float(entry.get("weight", 1.0)),
+                bool(entry.get("required", True)),
+                dict(entry.get("args") or {}),
+            )
+        else:
+            spec = RewardSpec(str(name), float(entry.weight), bool(entry.required), dict(entry.args))
+        if not math.isfinite(spec.weight):
+            raise ValueError(
+                f"reward.functions.{name}.weight={spec.weight!r} is invalid: must be a finite number"
+            )
+        check_reward_spec(spec.name, spec.args)
+        specs.append(spec)
+    metric_names = [metric_name(s.name) for s in specs]
+    for i, m in enumerate(metric_names):
+        if m in metric_names[:i]:
+            raise ValueError(
+                f"rewards {specs[metric_names.index(m)].name!r} and {specs[i].name!r} would log under the same "
+                f"metric name rewards/{m}/...; rename one (NAME@LABEL)"
+            )
+    return specs
+
+
+@dataclass
+class RewardBatch:
+    """The rewards of B samples (one micro-batch, or a whole step after `concat`).
+
+    total_B:        float32 (B,) weighted sum, what advantages are computed from.
+    scores:         name -> float32 (B,) unweighted score of each reward (0 where it failed).
+    extras:         "<name>/<extra>" -> (B, ...) per-sample extras (NaN where the reward failed).
+    failed:         name -> bool (B,), True where the reward failed and scored 0.
+    failed_batches: name -> number of micro-batches on which it failed.
+    seconds:        name -> wall seconds spent in the reward.
+    """
+
+    total_B: torch.Tensor
+    scores: dict[str, torch.Tensor]
+    extras: dict[str, torch.Tensor]
+    failed: dict[str, torch.Tensor]
+    failed_batches: dict[str, int]
+    seconds: dict[str, float]
+
+    def __len__(self) -> int:
+        return int(self.total_B.shape[0])
+
+    @staticmethod
+    def concat(batches: Sequence[RewardBatch]) -> RewardBatch:
+        """Join micro-batches in order (sample order is preserved)."""
+        if not batches:
+            raise ValueError("RewardBatch.concat needs at least one batch")
+        names = list(batches[0].scores)
+        extras: dict[str, torch.Tensor] = {}
+        for key in dict.fromkeys(k for b in batches for k in b.extras):
+            like = next(b.extras[key] for b in batches if key in b.extras)
+            parts = [
+                b.extras[key] if key in b.extras else torch.full((len(b), *like.shape[1:]), math.nan)
+                for b in batches
+            ]
+            if any(p.is_floating_point() for p in parts):
+                parts = [p.float() for p in parts]
+            extras[key] = torch.cat(parts)
+        return RewardBatch(
+            total_B=torch.cat([b.total_B for b in batches]),
+            scores={n: torch.cat([b.scores[n] for b in batches]) for n in names},
+            extras=extras,
+            failed={n: torch.cat([b.failed[n] for b in batches]) for n in names},
+            failed_batches={n: sum(b.failed_batches[n] for b in batches) for n in names},
+            seconds={n: sum(b.seconds[n] for b in batches) for n in names},
+        )
+
+    def metrics(self, uids: Sequence[Hashable] | np.ndarray | torch.Tensor) -> dict[str, float]:
+        """This batch's reward metrics (names in the module docstring); `uids` group the samples by prompt."""
+        out = reward_metrics(self.total_B, uids)
+        for name, scores_B in self.scores.items():
+            prefix = f"rewards/{metric_name(name)}"
+            out.update(reward_metrics(scores_B, uids, prefix=prefix))
+            out[f"{prefix}/failed_batches"] = float(self.failed_batches[name])
+            out[f"{prefix}/failed_fraction"] = self.failed[name].double().mean().item()
+            out[f"{prefix}/seconds"] = float(self.seconds[name])
+        for key, value in self.extras.items():
+            if value.is_floating_point():
+                name, _, extra = key.partition("/")
+                out[f"rewards/{metric_name(name)}/{extra}_mean"] = value.double().nanmean().item()
+        return out
+
+
+class MultiReward:
+    """Every reward of `reward.functions`, built once (models load in the constructor)."""
+
+    def __init__(self, functions: Mapping[str, Any] | Sequence[RewardSpec]) -> None:
+        self.specs = list(functions) if isinstance(functions, Sequence) else reward_specs(functions)
+        if not self.specs:
+            raise ValueError("MultiReward needs at least one reward")
+        self.rewards: dict[str, Reward] = {}
+        for spec in self.specs:
+            try:
+                self.rewards[spec.name] = build_reward(spec.name, spec.args)
+            except Exception as err:
+                err.add_note(f"while building reward.functions.{spec.name} (args {dict(spec.args)})")
+                raise
+
+    def __call__(
+        self,
+        pixels: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardBatch:
+        """Score one micro-batch with every reward; see the module docstring for failures."""
+        rows = check_batch(pixels, prompts, metadata)
+        pixels = pixels.detach().cpu()
+        batch = int(pixels.shape[0])
+        total_B = torch.zeros(batch, dtype=torch.float32)
+        scores, extras, failed, failed_batches, seconds = {}, {}, {}, {}, {}
+        for spec in self.specs:
+            start = time.perf_counter()
+            try:
+                output = call_reward(self.rewards[spec.name], pixels, prompts, rows, spec.name)
+            except Exception as err:
+                if spec.required:
+                    raise RewardError(
+                        f"required reward {spec.name!r} failed on a micro-batch of {batch} sample(s): "
+                        f"{type(err).__name__}: {err}. Fix the cause, or set "
+                        f"reward.functions.{spec.name}.required=false to score such batches 0 and count the failures."
+                    ) from err
+                logger.warning(
+                    "reward %r failed on a micro-batch of %d sample(s); they score 0 for it "
+                    "(counted in rewards/%s/failed_batches): %s: %s",
+                    spec.name,
+                    batch,
+                    metric_name(spec.name),
+                    type(err).__name__,
+                    err,
+                )
+                scores[spec.name] = torch.zeros(batch, dtype=torch.float32)
+                failed[spec.name] = torch.ones(batch, dtype=torch.bool)
+                failed_batches[spec.name] = 1
+            else:
+                scores[spec.name] = output.scores_B
+                failed[spec.name] = torch.zeros(batch, dtype=torch.bool)
+                failed_batches[spec.name] = 0
+                extras.update({f"{spec.name}/{key}": value for key, value in output.extras.items()})
+                total_B += spec.weight * output.scores_B
+            seconds[spec.name] = time.perf_counter() - start
+        return RewardBatch(total_B, scores, extras, failed, failed_batches, seconds)

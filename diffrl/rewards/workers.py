@@ -1,0 +1,213 @@
+"""Reward workers: score micro-batches as they arrive, so scoring overlaps sampling.
+
+The controller's loop, with either implementation:
+
+    workers = create_reward_workers(cfg.reward, use_ray=True)   # models load once per worker
+    handles = []
+    for micro_batch in sampler:                                  # sampling the next micro-batch ...
+        handles.append(workers.submit(mb.pixels, mb.prompts, mb.metadata))   # ... while this one scores
+    rewards = gather(handles)                                    # RewardBatch of the whole step, in order
+    metrics.update(rewards.metrics(uids))
+
+- `RayRewardWorkers`: `reward.workers` Ray actors, each with `reward.cpus_per_worker` CPUs and
+  `reward.gpus_per_worker` GPUs (fractions share a GPU), each holding its own `MultiReward`.
+  `submit` sends the micro-batch to the next actor (round robin) and returns at once with a
+  handle on the Ray `ObjectRef`; scoring runs in the actor's process, truly in parallel with the
+  sampler. Micro-batches are equal-sized, so round robin balances the load.
+- `InProcessRewardWorkers`: the same interface in this process, for tests, single-process runs and
+  debugging: with `overlap=True` one background thread scores (torch, Tesseract and HTTP release
+  the GIL, so this overlaps too); with `overlap=False` `submit` scores before it returns.
+
+`handle.result()` returns the micro-batch's `RewardBatch` or raises what scoring raised (a
+`RewardError` for a required reward's failure; Ray re-raises it as a subclass of the same type).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from diffrl.rewards.multi import MultiReward, RewardBatch, RewardSpec, reward_specs
+
+if TYPE_CHECKING:
+    from diffrl.config.schema import RewardConfig
+
+
+class RewardHandle(Protocol):
+    """A micro-batch being scored."""
+
+    def result(self, timeout: float | None = None) -> RewardBatch:
+        """Wait (at most `timeout` seconds, then TimeoutError) and return the scores."""
+        ...
+
+    def done(self) -> bool:
+        """Whether `result()` would return (or raise) without waiting."""
+        ...
+
+
+class RewardWorkers(Protocol):
+    """Scores micro-batches asynchronously; see the module docstring."""
+
+    def submit(
+        self,
+        pixels: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardHandle: ...
+
+    def close(self) -> None: ...
+
+
+def gather(handles: Sequence[RewardHandle], timeout: float | None = None) -> RewardBatch:
+    """Wait for every handle and join their micro-batches in submission order."""
+    return RewardBatch.concat([handle.result(timeout) for handle in handles])
+
+
+# ------------------------------------------------------------------------------------ in process
+class _FutureHandle:
+    def __init__(self, future: Future[RewardBatch]) -> None:
+        self.future = future
+
+    def result(self, timeout: float | None = None) -> RewardBatch:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class InProcessRewardWorkers:
+    """`RewardWorkers` in this process (one `MultiReward`, scored on one background thread)."""
+
+    def __init__(self, functions: Mapping[str, Any] | Sequence[RewardSpec], overlap: bool = True) -> None:
+        self.reward = MultiReward(functions)
+        self.overlap = overlap
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffrl-reward") if overlap else None
+        )
+
+    def submit(
+        self,
+        pixels: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardHandle:
+        # Copy the inputs now: the caller may reuse its buffers for the next micro-batch.
+        pixels, prompts = pixels.detach().cpu().clone(), list(prompts)
+        metadata = None if metadata is None else [dict(row) for row in metadata]
+        if self._pool is not None:
+            return _FutureHandle(self._pool.submit(self.reward, pixels, prompts, metadata))
+        future: Future[RewardBatch] = Future()
+        try:
+            future.set_result(self.reward(pixels, prompts, metadata))
+        except Exception as err:
+            future.set_exception(err)
+        return _FutureHandle(future)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> InProcessRewardWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------- Ray
+class RewardWorker:
+    """The body of one Ray reward actor: a `MultiReward` built in the actor's process."""
+
+    def __init__(self, specs: list[RewardSpec]) -> None:
+        self.reward = MultiReward(specs)
+
+    def ready(self) -> bool:
+        """Returns once the constructor (model loading) has finished; raises what it raised."""
+        return True
+
+    def score(
+        self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None
+    ) -> RewardBatch:
+        return self.reward(pixels, prompts, metadata)
+
+
+class _RayHandle:
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref  # a ray.ObjectRef of the RewardBatch
+
+    def result(self, timeout: float | None = None) -> RewardBatch:
+        import ray
+
+        return ray.get(self.ref, timeout=timeout)
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+
+class RayRewardWorkers:
+    """`workers` Ray actors scoring micro-batches; needs `ray.init()` first (the trainer's job)."""
+
+    def __init__(
+        self,
+        functions: Mapping[str, Any] | Sequence[RewardSpec],
+        workers: int = 1,
+        cpus_per_worker: float = 1.0,
+        gpus_per_worker: float = 0.0,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "RayRewardWorkers needs a running Ray: call ray.init() first (the trainer does, from "
+                "trainer.ray_address), or use InProcessRewardWorkers"
+            )
+        if workers < 1:
+            raise ValueError(f"reward.workers={workers!r} is invalid: must be >= 1")
+        # Check names and args here, before any actor starts, so a typo fails in the driver.
+        specs = list(functions) if isinstance(functions, Sequence) else reward_specs(functions)
+        actor_class = ray.remote(RewardWorker).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
+        self.actors = [actor_class.remote(specs) for _ in range(workers)]
+        # Wait for model loading so a missing file fails here, not at the first micro-batch.
+        ray.get([actor.ready.remote() for actor in self.actors])
+        self._next = itertools.cycle(range(workers))
+
+    def submit(
+        self,
+        pixels: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardHandle:
+        actor = self.actors[next(self._next)]
+        rows = None if metadata is None else [dict(row) for row in metadata]
+        return _RayHandle(actor.score.remote(pixels.detach().cpu(), list(prompts), rows))
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+    def __enter__(self) -> RayRewardWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create_reward_workers(cfg: RewardConfig, *, use_ray: bool) -> RewardWorkers:
+    """The reward workers `reward.*` asks for: Ray actors, or the in-process equivalent.
+
+    `reward.overlap` applies to the in-process workers (background thread or not); Ray workers
+    always score in their own processes, and the trainer decides when it collects.
+    """
+    if use_ray:
+        return RayRewardWorkers(cfg.functions, cfg.workers, cfg.cpus_per_worker, cfg.gpus_per_worker)
+    return InProcessRewardWorkers(cfg.functions, overlap=cfg.overlap)

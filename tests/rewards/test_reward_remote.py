@@ -1,0 +1,122 @@
+"""The `http` reward against `diffrl serve-reward`'s server, end to end on loopback."""
+
+import argparse
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from diffrl.rewards import build_reward
+from diffrl.rewards.remote import decode_png, decode_request, encode_png, encode_request
+from diffrl.rewards.server import parse_key_values, register_cli, start_reward_server
+
+FAST = {"retries": 1, "backoff": 0.01}  # keep failing cases quick
+
+
+def _pixels(batch=3, seed=0, size=24):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=generator)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_png_wire_format_is_lossless():
+    pixels = _pixels()
+    for frame in pixels:
+        assert torch.equal(decode_png(encode_png(frame)), frame)
+    video = _pixels(6).reshape(2, 3, 3, 24, 24)
+    decoded, prompts, metadata = decode_request(
+        json.loads(json.dumps(encode_request(video, ["a", "b"], None)))
+    )
+    assert torch.equal(decoded, video) and prompts == ["a", "b"] and metadata == [{}, {}]
+
+
+def test_scores_over_http_equal_the_local_reward():
+    pixels, prompts = _pixels(), ["a", "b", "c"]
+    local = build_reward("jpeg_incompressibility", {"quality": 80})(pixels, prompts, None)
+    with start_reward_server("jpeg_incompressibility", {"quality": 80}) as server:
+        client = build_reward("http", {"url": server.url, "timeout": 10})
+        remote = client(pixels, prompts, [{}, {}, {}])
+        assert client.health() == {"status": "ok", "reward": "jpeg_incompressibility", "version": 1}
+        video = pixels.unsqueeze(0)
+        remote_video = client(video, ["v"], None).scores_B
+    torch.testing.assert_close(remote.scores_B, local.scores_B)
+    torch.testing.assert_close(remote.extras["jpeg_kb"], local.extras["jpeg_kb"])
+    torch.testing.assert_close(remote_video, local.scores_B.mean().reshape(1))
+
+
+def test_user_function_served_with_metadata():
+    with start_reward_server("reward_test_helpers:async_prompt_length") as server:
+        out = build_reward("http", {"url": server.url})(_pixels(2), ["one", "three"], [{"k": [1, 2]}, {}])
+    assert out.scores_B.tolist() == [3.0, 5.0]
+    assert out.extras["words"].tolist() == [1, 1]
+
+
+def test_server_down_is_a_clear_connection_error():
+    url = f"http://127.0.0.1:{_free_port()}"
+    client = build_reward("http", {"url": url, **FAST})
+    with pytest.raises(ConnectionError, match=rf"cannot reach {url}/score \(2 attempts.*diffrl serve-reward"):
+        client(_pixels(1), ["a"], None)
+
+
+def test_slow_server_is_a_clear_timeout_error():
+    with start_reward_server("reward_test_helpers:slow", {"seconds": 1.0}) as server:
+        client = build_reward("http", {"url": server.url, "timeout": 0.2, **FAST})
+        start = time.perf_counter()
+        with pytest.raises(
+            TimeoutError, match=r"did not answer within timeout=0.2 s \(2 attempts\).*args.timeout"
+        ):
+            client(_pixels(1), ["a"], None)
+        assert time.perf_counter() - start < 1.5  # two 0.2 s attempts and a 0.01 s backoff, no more
+
+
+def test_remote_errors_are_reported_with_the_servers_message():
+    with (
+        start_reward_server("reward_test_helpers:rejects") as server,
+        pytest.raises(RuntimeError, match=r"answered HTTP 400: ValueError: metadata lacks 'target'"),
+    ):
+        build_reward("http", {"url": server.url, **FAST})(_pixels(1), ["a"], None)
+    with start_reward_server("reward_test_helpers:always_fails") as server:
+        with pytest.raises(RuntimeError, match=r"answered HTTP 500: RuntimeError: scorer exploded"):
+            build_reward("http", {"url": server.url, **FAST})(_pixels(1), ["a"], None)
+        request = urllib.request.Request(f"{server.url}/score", data=b"not json", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=5)
+        assert info.value.code == 400 and "bad request" in json.loads(info.value.read())["error"]
+
+
+def test_client_argument_errors():
+    for args, message in [
+        ({"url": "localhost:8000"}, "use http://HOST:PORT"),
+        ({"url": "http://h:1", "timeout": 0}, "timeout=0 is invalid"),
+        ({"url": "http://h:1", "retries": -1}, "retries=-1 is invalid"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build_reward("http", args)
+
+
+def test_cli_parses_name_args_host_and_port():
+    parser = argparse.ArgumentParser(prog="diffrl")
+    register_cli(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(
+        ["serve-reward", "ocr", "lang=eng", "psm=7", "--host", "0.0.0.0", "--port", "9000"]
+    )
+    assert (ns.command, ns.name, ns.host, ns.port) == ("serve-reward", "ocr", "0.0.0.0", 9000)
+    assert parse_key_values(ns.args) == {"lang": "eng", "psm": 7}
+    assert callable(ns.func)
+    with pytest.raises(ValueError, match=r"is not key=value"):
+        parse_key_values(["model"])
+
+
+def test_busy_port_is_a_clear_error():
+    with start_reward_server("jpeg_compressibility") as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        with pytest.raises(ValueError, match=rf"cannot listen on 127.0.0.1:{port}.*Pick another --port"):
+            start_reward_server("jpeg_compressibility", port=port)

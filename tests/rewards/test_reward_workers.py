@@ -1,0 +1,94 @@
+"""Reward workers: submit returns at once, results come back in order; Ray actors match in-process."""
+
+import time
+
+import pytest
+import torch
+
+from diffrl.config import RewardConfig, RewardFnConfig
+from diffrl.rewards import (
+    InProcessRewardWorkers,
+    RayRewardWorkers,
+    RewardError,
+    create_reward_workers,
+    gather,
+)
+
+FUNCTIONS = {
+    "jpeg_compressibility": {"weight": 1.0},
+    "jpeg_incompressibility@q50": {"weight": 0.25, "args": {"quality": 50}},
+}
+
+
+def _micro_batches():
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=generator)
+    pixels[0] = 7  # one flat image among noise
+    prompts = ["a", "a", "b", "b"]
+    return [(pixels[:2], prompts[:2], [{}, {}]), (pixels[2:], prompts[2:], [{}, {}])]
+
+
+def _expected():
+    with InProcessRewardWorkers(FUNCTIONS, overlap=False) as workers:
+        return gather([workers.submit(*mb) for mb in _micro_batches()])
+
+
+def test_in_process_submit_overlaps_and_gathers_in_order():
+    slow = {"reward_test_helpers:slow": {"args": {"seconds": 0.3}}, **FUNCTIONS}
+    with InProcessRewardWorkers(slow, overlap=True) as workers:
+        start = time.perf_counter()
+        handles = [workers.submit(*mb) for mb in _micro_batches()]
+        assert time.perf_counter() - start < 0.2  # returned before the 2 x 0.3 s of scoring
+        assert not handles[1].done()
+        step = gather(handles)
+    expected = _expected()
+    torch.testing.assert_close(step.scores["jpeg_compressibility"], expected.scores["jpeg_compressibility"])
+    torch.testing.assert_close(step.total_B, expected.total_B)
+    jpeg_kb = expected.extras["jpeg_compressibility/jpeg_kb"]
+    torch.testing.assert_close(expected.scores["jpeg_compressibility"], -jpeg_kb)
+    assert expected.scores["jpeg_compressibility"][0] > expected.scores["jpeg_compressibility"][1:].max()
+
+
+def test_in_process_errors_surface_at_result():
+    failing = {"reward_test_helpers:always_fails": {}}
+    for overlap in (True, False):
+        with InProcessRewardWorkers(failing, overlap=overlap) as workers:
+            handle = workers.submit(*_micro_batches()[0])
+            with pytest.raises(RewardError, match=r"reward_test_helpers:always_fails"):
+                handle.result()
+
+
+def test_from_config_in_process():
+    cfg = RewardConfig(functions={"jpeg_compressibility": RewardFnConfig()}, overlap=False)
+    workers = create_reward_workers(cfg, use_ray=False)
+    assert isinstance(workers, InProcessRewardWorkers) and not workers.overlap
+    workers.close()
+
+
+def test_ray_workers_match_in_process_scores():
+    import ray
+
+    started = not ray.is_initialized()  # another test module may have started Ray already
+    if started:
+        with pytest.raises(RuntimeError, match=r"needs a running Ray: call ray.init\(\) first"):
+            RayRewardWorkers(FUNCTIONS)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = RewardConfig(
+            functions={name: RewardFnConfig(**entry) for name, entry in FUNCTIONS.items()},
+            workers=2,
+            cpus_per_worker=1.0,
+        )
+        workers = create_reward_workers(cfg, use_ray=True)
+        assert isinstance(workers, RayRewardWorkers) and len(workers.actors) == 2
+        handles = [workers.submit(*mb) for mb in _micro_batches()]
+        step = gather(handles, timeout=60)
+        assert all(h.done() for h in handles)
+        workers.close()
+    finally:
+        if started:
+            ray.shutdown()
+    expected = _expected()
+    torch.testing.assert_close(step.total_B, expected.total_B)
+    for name in FUNCTIONS:
+        torch.testing.assert_close(step.scores[name], expected.scores[name])
