@@ -68,3 +68,47 @@ def test_printed_config_round_trips(capsys, tmp_path):
     path = tmp_path / "printed.yaml"
     path.write_text(capsys.readouterr().out)
     assert load_config(str(path)) == load_config("default", ["actor.optim.lr=2e-4"])
+
+
+@pytest.mark.parametrize(
+    ("family", "suffix", "extra"), [("sd3", ".png", []), ("wan", ".gif", ["--num-frames", "5"])]
+)
+def test_sample_writes_files_and_a_manifest(tiny_model, tmp_path, capsys, family, suffix, extra):
+    import json
+
+    from PIL import Image
+
+    out = tmp_path / "samples"
+    argv = [
+        "sample",
+        "--model",
+        str(tiny_model(family)),
+        "--prompt",
+        "a red circle",
+        "--prompt",
+        "a blue square",
+    ]
+    argv += ["-n", "2", "--out", str(out), "--steps", "3", "--height", "32", "--width", "32", *extra]
+    assert main(argv) == 0
+    assert "wrote 4 file(s)" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in rows] == [
+        ("a red circle", 0),
+        ("a red circle", 1),
+        ("a blue square", 0),
+        ("a blue square", 1),
+    ]
+    for row in rows:
+        image = Image.open(out / row["file"])
+        assert row["file"].endswith(suffix) and image.size == (32, 32)
+    # the same command gives the same pixels
+    first = (out / rows[0]["file"]).read_bytes()
+    assert main([*argv[: -len(extra) or None], *extra]) == 0
+    assert (out / rows[0]["file"]).read_bytes() == first
+
+
+def test_sample_errors_are_clear(tmp_path, capsys):
+    assert main(["sample", "--model", str(tmp_path / "none"), "--prompt", "x", "--out", str(tmp_path)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["sample", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "no prompts" in capsys.readouterr().err

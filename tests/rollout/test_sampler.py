@@ -26,25 +26,52 @@ def sd3(tiny_model):
     return load_model(tiny_model("sd3"), dtype="float32")
 
 
-def test_validation_rollout_matches_the_diffusers_pipeline(sd3):
+# (family, sampler pipeline settings, the same settings as diffusers pipeline kwargs)
+FAMILIES = [
+    ("sd3", dict(guidance_scale=4.5), dict(guidance_scale=4.5, max_sequence_length=16)),
+    (
+        "flux",
+        dict(guidance_scale=3.5, true_cfg_scale=4.0),
+        dict(guidance_scale=3.5, true_cfg_scale=4.0, negative_prompt=["", ""], max_sequence_length=16),
+    ),
+    (
+        "qwen_image",
+        dict(guidance_scale=1.0, true_cfg_scale=4.0),
+        dict(true_cfg_scale=4.0, negative_prompt=["", ""], max_sequence_length=16),
+    ),
+    (
+        "wan",
+        dict(guidance_scale=4.0, num_frames=5),
+        dict(guidance_scale=4.0, num_frames=5, negative_prompt=["", ""], max_sequence_length=16),
+    ),
+]
+
+
+@pytest.mark.parametrize(("family", "ours", "theirs"), FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_validation_rollout_matches_the_diffusers_pipeline(tiny_model, family, ours, theirs):
+    adapter = load_model(tiny_model(family), dtype="float32")
     cfg = rollout_cfg()
-    rollout = TrajectorySampler(sd3, cfg, progress=False).sample_validation(PROMPTS[:2])
+    for key, value in ours.items():
+        setattr(cfg.pipeline, key, value)
+    rollout = TrajectorySampler(adapter, cfg, progress=False).sample_validation(PROMPTS[:2])
     # The pipeline gets the same initial noise: sample i of a validation rollout is keyed (val.seed, 0, i).
     gens = [generator("cpu", cfg.val.seed, 0, i, NOISE_STREAM) for i in range(2)]
-    noise = sd3.init_noise(gens, 32, 32)
-    expected = sd3.pipe(
+    noise = adapter.init_noise(gens, 32, 32, cfg.pipeline.num_frames)
+    out = adapter.pipe(
         prompt=PROMPTS[:2],
         latents=noise,
         num_inference_steps=6,
-        guidance_scale=4.5,
         height=32,
         width=32,
-        max_sequence_length=16,
         output_type="latent",
-    ).images
+        **theirs,
+    )
+    expected = out.frames if adapter.is_video else out.images
     torch.testing.assert_close(rollout.samples.final_latents, expected, rtol=1e-4, atol=1e-5)
     assert rollout.window_size == 0 and rollout.settings.sde_type == "ode"
-    assert rollout.samples.pixels.dtype == torch.uint8 and rollout.samples.pixels.shape == (2, 3, 32, 32)
+    frames = (cfg.pipeline.num_frames,) if adapter.is_video else ()
+    assert rollout.samples.pixels.dtype == torch.uint8
+    assert rollout.samples.pixels.shape == (2, *frames, 3, 32, 32)
 
 
 @pytest.mark.parametrize("kind", ["sde", "cps", "dance_sde"])
