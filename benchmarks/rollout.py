@@ -18,7 +18,12 @@ import time
 from collections.abc import Sequence
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
@@ -66,7 +71,9 @@ TEXT_TOKENS = 77 + 256
 class RandomTextSD3Adapter(SD3Adapter):
     """SD3 with the text encoders replaced by random embeddings of the real shapes (fixed per prompt)."""
 
-    def encode_prompts(self, prompts: Sequence[str], negative_prompts, max_sequence_length: int) -> PromptEmbeds:
+    def encode_prompts(
+        self, prompts: Sequence[str], negative_prompts, max_sequence_length: int
+    ) -> PromptEmbeds:
         g = torch.Generator(self.device).manual_seed(len(prompts))
         rand = lambda *shape: torch.randn(*shape, generator=g, device=self.device, dtype=self.dtype)  # noqa: E731
         p = len(prompts)
@@ -80,33 +87,52 @@ class RandomTextSD3Adapter(SD3Adapter):
 
 
 def cuda_time(fn):
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return out, time.perf_counter() - start
 
 
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--micro-batch", type=int, default=32, help="images per sampler forward (x2 with CFG)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=32, help="images per sampler forward (x2 with CFG)"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--guidance", type=float, default=4.5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
+    parser.add_argument("--layers", type=int, default=24, help="fewer layers for a quick CPU smoke run")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/rollout.py needs a CUDA device")
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or smoke-test with --device cpu --layers 1 --size 64")
 
     torch.manual_seed(0)
+    config = {**SD35_MEDIUM, "num_layers": args.layers}
+    config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < args.layers)
     pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(**SD35_MEDIUM),
+        transformer=SD3Transformer2DModel(**config),
         vae=AutoencoderKL(**SD3_VAE),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         text_encoder=None,
@@ -124,7 +150,9 @@ def main() -> None:
 
     # FLOPs: the adapter's analytic count, checked against torch's counter on one real forward.
     fwd_batch = 2 * args.micro_batch if args.guidance > 1 else args.micro_batch
-    flops_step = adapter.flops_per_forward(2 * images if args.guidance > 1 else images, size, size, TEXT_TOKENS)
+    flops_step = adapter.flops_per_forward(
+        2 * images if args.guidance > 1 else images, size, size, TEXT_TOKENS
+    )
     emb = adapter.encode_prompts(["x"], ["x"], 256)
     lat = torch.randn(1, *adapter.latent_shape(size, size), device=device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -136,7 +164,11 @@ def main() -> None:
         n=args.n,
         micro_batch_size=args.micro_batch,
         pipeline=PipelineConfig(
-            height=size, width=size, num_inference_steps=steps, guidance_scale=args.guidance, max_sequence_length=256
+            height=size,
+            width=size,
+            num_inference_steps=steps,
+            guidance_scale=args.guidance,
+            max_sequence_length=256,
         ),
         sde=SdeConfig(type="sde", noise_level=0.7),
     )
@@ -147,7 +179,8 @@ def main() -> None:
 
     results: dict = {
         "bench": "rollout",
-        "gpu": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "layers": args.layers,
         "torch": torch.__version__,
         "images": images,
         "size": size,
@@ -162,15 +195,17 @@ def main() -> None:
     # ---- diffrl sampler
     if not args.no_compile:
         _, results["compile_s"] = cuda_time(lambda: adapter.compile_blocks())
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory()
     _, results["diffrl_warmup_s"] = cuda_time(lambda: sampler.sample(prompts, seed=0, step=0))
     times = []
     for r in range(args.repeats):
         rollout, t = cuda_time(lambda r=r: sampler.sample(prompts, seed=0, step=r + 1))
         times.append(t)
     t_total = min(times)
-    _, t_decode = cuda_time(lambda: [decode_only(c) for c in rollout.samples.final_latents.split(args.micro_batch)])
-    results["diffrl_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    _, t_decode = cuda_time(
+        lambda: [decode_only(c) for c in rollout.samples.final_latents.split(args.micro_batch)]
+    )
+    results["diffrl_peak_mem_gb"] = peak_memory_gb()
     results["diffrl_s"] = t_total
     results["diffrl_decode_s"] = t_decode
     results["diffrl_images_per_s"] = images / t_total
@@ -178,8 +213,10 @@ def main() -> None:
 
     # ---- diffusers pipeline, same weights (uncompiled: the plain pipeline), same embeddings
     if not args.no_compile:
-        pipe.transformer = SD3Transformer2DModel(**SD35_MEDIUM).to(device, dtype)
-        pipe.transformer.load_state_dict({k.replace("._orig_mod", ""): v for k, v in adapter.transformer.state_dict().items()})
+        pipe.transformer = SD3Transformer2DModel(**config).to(device, dtype)
+        pipe.transformer.load_state_dict(
+            {k.replace("._orig_mod", ""): v for k, v in adapter.transformer.state_dict().items()}
+        )
     emb = adapter.encode_prompts(prompts, prompts, 256)
     rows = torch.arange(prompts_n, device=device).repeat_interleave(args.n)
 
@@ -202,11 +239,11 @@ def main() -> None:
             )
         return outs
 
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory()
     cuda_time(lambda: run_pipe("latent"))  # warmup
     t_pipe = min(cuda_time(lambda: run_pipe("pt"))[1] for _ in range(args.repeats))
     t_pipe_latent = min(cuda_time(lambda: run_pipe("latent"))[1] for _ in range(args.repeats))
-    results["diffusers_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    results["diffusers_peak_mem_gb"] = peak_memory_gb()
     results["diffusers_s"] = t_pipe
     results["diffusers_images_per_s"] = images / t_pipe
     results["diffusers_transformer_mfu"] = flops_step * steps / t_pipe_latent / (args.peak_tflops * 1e12)
