@@ -45,7 +45,8 @@ def test_clip_score_matches_transformers_and_is_deterministic(tiny_clip):
 @pytest.mark.parametrize("name", ["clip_score", "pickscore", "aesthetic"])
 def test_batch_of_four_equals_four_batches_of_one(tiny_clip, name):
     pixels = _pixels()
-    reward = build_reward(name, {"model": str(tiny_clip), "batch_size": 3})  # chunks of 3 + 1 inside
+    # batch_size=3: the batch of 4 runs as chunks of 3 + 1 inside the reward.
+    reward = build_reward(name, {"model": str(tiny_clip), "batch_size": 3, "device": "cpu"})
     batched = reward(pixels, PROMPTS, None).scores_B
     single = torch.cat([reward(pixels[i : i + 1], PROMPTS[i : i + 1], None).scores_B for i in range(4)])
     assert batched.shape == (4,) and batched.dtype == torch.float32
@@ -55,14 +56,16 @@ def test_batch_of_four_equals_four_batches_of_one(tiny_clip, name):
 
 def test_pickscore_is_logit_scale_times_cosine(tiny_clip):
     pixels = _pixels(seed=1)
-    scores = build_reward("pickscore", {"model": str(tiny_clip)})(pixels, PROMPTS, None).scores_B
+    reward = build_reward("pickscore", {"model": str(tiny_clip), "device": "cpu"})
+    scores = reward(pixels, PROMPTS, None).scores_B
     logits, _, _ = _reference(tiny_clip, pixels, PROMPTS)
     torch.testing.assert_close(scores, logits, rtol=1e-4, atol=1e-4)
 
 
 def test_aesthetic_is_the_laion_mlp_on_normalised_image_embeddings(tiny_clip):
     pixels = _pixels(seed=2)
-    scores = build_reward("aesthetic", {"model": str(tiny_clip)})(pixels, PROMPTS, None).scores_B
+    reward = build_reward("aesthetic", {"model": str(tiny_clip), "device": "cpu"})
+    scores = reward(pixels, PROMPTS, None).scores_B
     _, image_embeds, _ = _reference(tiny_clip, pixels, PROMPTS)
     w = load_file(str(tiny_clip / "aesthetic_head.safetensors"))
     x = image_embeds / image_embeds.norm(dim=-1, keepdim=True)
@@ -72,7 +75,7 @@ def test_aesthetic_is_the_laion_mlp_on_normalised_image_embeddings(tiny_clip):
 
 
 def test_video_is_scored_per_frame_and_averaged(tiny_clip):
-    reward = build_reward("clip_score", {"model": str(tiny_clip)})
+    reward = build_reward("clip_score", {"model": str(tiny_clip), "device": "cpu"})
     frames = _pixels(batch=6, seed=3)
     per_frame = reward(frames, ["a red circle"] * 3 + ["a blue square"] * 3, None).scores_B
     video = reward(frames.reshape(2, 3, *frames.shape[1:]), ["a red circle", "a blue square"], None).scores_B
@@ -111,3 +114,18 @@ def test_aesthetic_head_checks_layout_and_size(tiny_clip, tmp_path):
     save_file({"linear.weight": torch.zeros(1, 16)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match=r"expected the LAION aesthetic MLP's"):
         build_reward("aesthetic", {"model": str(tiny_clip), "head": str(tmp_path / "bad.safetensors")})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["clip_score", "pickscore", "aesthetic"])
+def test_gpu_scores_match_cpu(tiny_clip, name):
+    """device=auto picks the GPU (bfloat16 there); scores agree with float32 on the CPU."""
+    pixels = _pixels(batch=8, seed=4)
+    prompts = PROMPTS * 2
+    gpu = build_reward(name, {"model": str(tiny_clip)})
+    assert gpu.encoder.device.type == "cuda" and gpu.encoder.dtype == torch.bfloat16
+    cpu = build_reward(name, {"model": str(tiny_clip), "device": "cpu"})
+    gpu_scores = gpu(pixels, prompts, None).scores_B
+    assert gpu_scores.device.type == "cpu" and gpu_scores.dtype == torch.float32
+    scale = 1.0 if name != "pickscore" else cpu.encoder.logit_scale
+    torch.testing.assert_close(gpu_scores, cpu(pixels, prompts, None).scores_B, rtol=0.05, atol=0.03 * scale)
