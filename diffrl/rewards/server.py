@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -201,7 +202,10 @@ def serve_reward(
     """Build the reward (models load now), then answer requests until interrupted (Ctrl-C)."""
     server = make_reward_server(spec, args, host, port)
     print(f"serving reward {spec!r} at {server.url}  (POST /score, GET /health; Ctrl-C stops)", flush=True)
-    print(f"use it with: reward.functions.http.args.url={server.url}", flush=True)
+    url = server.url
+    if host in ("0.0.0.0", "::", ""):  # listening on every interface: name this machine instead
+        url = f"http://{socket.gethostname()}:{server.server_address[1]}"
+    print(f"use it with: reward.functions.http.args.url={url}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -236,7 +240,8 @@ Rewards and their args: docs/rewards.md
 
 
 def cmd_serve_reward(ns: argparse.Namespace) -> int:
-    """The `diffrl serve-reward` command."""
+    """The `diffrl serve-reward` command (logs one line per scored request to stderr)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve_reward(ns.name, parse_key_values(ns.args), ns.host, ns.port)
     return 0
 
