@@ -151,7 +151,8 @@ class HttpReward:
 
     Args:
         url: the server's base URL, e.g. "http://scorer-host:8000" (requests go to <url>/score).
-        timeout: seconds to wait for one answer (connect + scoring + transfer).
+        timeout: socket timeout in seconds: the longest wait to connect, or for the server to start
+            answering (its scoring time included).
         retries: extra attempts after the first, for connection errors, timeouts and 429/502/503/504.
         backoff: seconds before the first retry; doubles each retry.
         max_backoff: cap on one wait, in seconds.
