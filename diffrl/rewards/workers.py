@@ -123,15 +123,27 @@ class RewardWorker:
     """The body of one Ray reward actor: a `MultiReward` built in the actor's process."""
 
     def __init__(self, specs: list[RewardSpec]) -> None:
-        self.reward = MultiReward(specs)
+        # An exception raised here would kill the actor and reach the driver as an opaque
+        # ActorDiedError; kept and re-raised by `ready`, it arrives as itself (a FileNotFoundError
+        # naming the missing model file, say).
+        self.reward: MultiReward | None = None
+        self.error: Exception | None = None
+        try:
+            self.reward = MultiReward(specs)
+        except Exception as err:
+            self.error = err
 
     def ready(self) -> bool:
-        """Returns once the constructor (model loading) has finished; raises what it raised."""
+        """Returns once the models are loaded; raises what loading raised."""
+        if self.error is not None:
+            raise self.error
         return True
 
     def score(
         self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None
     ) -> RewardBatch:
+        if self.reward is None:
+            raise RuntimeError(f"this reward worker failed to start: {self.error!r}")
         return self.reward(pixels, prompts, metadata)
 
 
@@ -175,7 +187,11 @@ class RayRewardWorkers:
         actor_class = ray.remote(RewardWorker).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
         self.actors = [actor_class.remote(specs) for _ in range(workers)]
         # Wait for model loading so a missing file fails here, not at the first micro-batch.
-        ray.get([actor.ready.remote() for actor in self.actors])
+        try:
+            ray.get([actor.ready.remote() for actor in self.actors])
+        except Exception:
+            self.close()
+            raise
         self._next = itertools.cycle(range(workers))
 
     def submit(

@@ -85,6 +85,9 @@ def test_ray_workers_match_in_process_scores():
         step = gather(handles, timeout=60)
         assert all(h.done() for h in handles)
         workers.close()
+        # A worker that cannot load its model fails at creation, with the model's own error type.
+        with pytest.raises(FileNotFoundError, match=r"args.model='/no/such/clip' does not exist"):
+            RayRewardWorkers({"clip_score": {"args": {"model": "/no/such/clip"}}})
     finally:
         if started:
             ray.shutdown()
