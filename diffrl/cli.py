@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--device", help="default: cuda when available, else cpu")
     sample.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward")
     sample.set_defaults(func=cmd_sample)
+
+    from diffrl.rewards.server import register_cli as register_serve_reward
+
+    register_serve_reward(sub)
     return parser
 
 

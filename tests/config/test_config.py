@@ -160,6 +160,13 @@ def test_cps_noise_level_is_at_most_one():
     )
 
 
+def test_reward_names_and_args_are_checked_before_anything_loads():
+    with pytest.raises(ConfigError, match=r"unknown reward 'jpeg_compresibility'.*jpeg_compressibility"):
+        load_config("default", ["reward.functions.jpeg_compresibility.weight=1"])
+    with pytest.raises(ConfigError, match=r"language"):
+        load_config("default", ["reward.functions.ocr.args.language=eng"])
+
+
 def test_window_must_fit_the_steps():
     # window_size larger than the number of steps
     with pytest.raises(ConfigError, match=r"rollout\.sde\.window_size=11 is invalid: must be <= .* 10"):
