@@ -36,9 +36,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
-from diffusers import DiffusionPipeline
 
 from diffrl.models.base import ModelAdapter, PromptEmbeds, to_uint8
 
@@ -59,7 +59,7 @@ class WanAdapter(ModelAdapter):
     # FFN (GELU-tanh up projection `ffn.net.0.proj`, down projection `ffn.net.2`).
     default_lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
     is_video = True
-    component_dtypes = {"vae": torch.float32}  # the Wan examples decode in fp32
+    component_dtypes: ClassVar[dict[str, torch.dtype]] = {"vae": torch.float32}  # as the Wan examples
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)

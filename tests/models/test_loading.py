@@ -12,19 +12,19 @@ def test_missing_directory(tmp_path):
 
 
 def test_empty_path():
-    with pytest.raises(ValueError, match="model.path is empty"):
+    with pytest.raises(ValueError, match=r"model\.path is empty"):
         load_model("")
 
 
 def test_directory_without_model_index(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model_index.json is missing"):
+    with pytest.raises(FileNotFoundError, match=r"model_index\.json is missing"):
         load_model(tmp_path)
 
 
 def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(
-        ValueError, match="StableDiffusionXLPipeline.*supported: FluxPipeline, QwenImagePipeline"
+        ValueError, match=r"StableDiffusionXLPipeline.*supported: FluxPipeline, QwenImagePipeline"
     ):
         load_model(tmp_path)
 
