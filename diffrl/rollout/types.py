@@ -44,6 +44,10 @@ class Trajectories:
     pixels: torch.Tensor  # uint8 [B, 3, H, W] or [B, T, 3, H, W]
     prompt_index_B: torch.Tensor  # long [B]: row of the sample's prompt in Rollout.prompt_embeds
     sample_index_B: torch.Tensor  # long [B]: index of the sample within its step (its seed key)
+    # Set by the trainer before the update (None until then):
+    advantages_B: torch.Tensor | None = None  # fp32 [B]
+    old_log_probs_BW: torch.Tensor | None = None  # fp32 [B, W]; None = the rollout's own log_probs_BW
+    ref_means: torch.Tensor | None = None  # fp32 [B, W, ...]: the reference policy's SDE means (KL)
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Training: the engine (LoRA / full fine-tuning, FSDP2), checkpoints, weight export."""

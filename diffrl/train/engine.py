@@ -1,0 +1,334 @@
+"""The training engine: one model adapter's transformer, its LoRA adapters, optimizer and updates.
+
+It takes `Rollout` micro-batches (annotated by the trainer with advantages, and old log-probs or
+reference means when those are recomputed) and a registered loss, and updates the policy:
+
+    for each micro-batch, for each trained window step j:
+        recompute velocity -> SDE mean, std, log-prob of the stored x_{j+1}   (rollout.evaluate_step)
+        loss = registered loss (+ kl_coef · KL to the reference)
+        backward(loss / (micro-batches × window steps))
+    optim_step(): clip, skip if the gradient norm is not finite, AdamW, LR schedule
+
+Policies: LoRA "default" (trained), optional "old" (a frozen copy refreshed by copy or EMA, for
+DiffusionNFT-style methods), and the reference = all adapters disabled. With `model.lora.rank = 0`
+the whole transformer trains and the reference, when KL needs it, is a frozen copy.
+
+The same engine runs on one CPU, one GPU, or sharded with FSDP2 over a process group (one engine
+per rank, each on its own micro-batches; FSDP averages gradients across ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+
+from diffrl.algos import LossInputs, get_loss
+from diffrl.config.schema import ActorConfig, ModelConfig
+from diffrl.models.base import ModelAdapter
+from diffrl.rollout.sampler import evaluate_step
+from diffrl.rollout.types import Rollout
+
+POLICY = "default"
+OLD = "old"
+REFERENCE = "reference"
+
+
+def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the base LR after `step` optimizer steps: linear warmup, then the shape."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        if scheduler == "linear":
+            return 1.0 - progress
+        raise ValueError(f"actor.optim.scheduler={scheduler!r} is not constant, cosine or linear")
+
+    return factor
+
+
+class TrainEngine:
+    """Policy updates for one model adapter (see the module docstring)."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        model_cfg: ModelConfig,
+        actor_cfg: ActorConfig,
+        *,
+        total_optim_steps: int,
+        with_old: bool = False,
+        with_reference: bool | None = None,
+        reference_device: str | torch.device | None = None,
+    ):
+        self.adapter = adapter
+        self.model_cfg = model_cfg
+        self.cfg = actor_cfg
+        self.loss_fn = get_loss(actor_cfg.loss.mode)
+        self.kl_fn = get_loss("kl") if actor_cfg.loss.kl_coef > 0 else None
+        self.lora = model_cfg.lora.rank > 0
+        self.optim_steps = 0
+        self.skipped_steps = 0
+        transformer = adapter.transformer
+        transformer.train()
+
+        self.reference = None
+        if self.lora:
+            targets = list(model_cfg.lora.target_modules or adapter.default_lora_target_modules)
+            names = [POLICY, OLD] if with_old else [POLICY]
+            for name in names:
+                with warnings.catch_warnings():
+                    # peft warns that a second adapter joins the first: that is the point here.
+                    warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                    transformer.add_adapter(self._lora_config(targets), adapter_name=name)
+            transformer.set_adapter(POLICY)  # makes only "default" trainable
+            if with_old:
+                self.copy_adapter(POLICY, OLD)
+        else:
+            if with_old:
+                raise ValueError("an `old` policy needs LoRA adapters: set model.lora.rank > 0")
+            transformer.requires_grad_(True)
+            if with_reference if with_reference is not None else actor_cfg.loss.kl_coef > 0:
+                # A frozen copy of the base weights; on CPU it costs host memory instead of GPU memory.
+                self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+                if reference_device is not None:
+                    self.reference.to(reference_device)
+        if model_cfg.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        if actor_cfg.strategy == "fsdp2" and torch.distributed.is_initialized():
+            from diffrl.train.fsdp import shard_transformer
+
+            shard_transformer(
+                transformer,
+                adapter.block_class_names,
+                param_dtype=adapter.dtype,
+                cpu_offload=actor_cfg.param_offload,
+            )
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("no trainable parameters: check model.lora.target_modules")
+        optim = actor_cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(optim.scheduler, optim.warmup_steps, total_optim_steps)
+        )
+
+    def _lora_config(self, targets: list[str]) -> PeftLoraConfig:
+        lora = self.model_cfg.lora
+        init = True if lora.init == "default" else lora.init
+        return PeftLoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=init
+        )
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.adapter.transformer
+
+    # ------------------------------------------------------------------------------ policies
+    @contextmanager
+    def use_policy(self, name: str) -> Iterator[None]:
+        """Run the adapter's transformer as policy `name`: default, old, or reference."""
+        if name == POLICY:
+            yield
+            return
+        if name == OLD:
+            if not self.lora:
+                raise ValueError("no `old` policy: it exists only with LoRA and with_old=True")
+            self.transformer.set_adapter(OLD)
+            try:
+                yield
+            finally:
+                self.transformer.set_adapter(POLICY)
+            return
+        if name == REFERENCE:
+            if self.lora:
+                self.transformer.disable_adapters()
+                try:
+                    yield
+                finally:
+                    self.transformer.enable_adapters()
+                    self.transformer.set_adapter(POLICY)
+                return
+            if self.reference is None:
+                raise ValueError("no reference model: full fine-tuning keeps one only when KL is on")
+            trained = self.adapter.pipe.transformer
+            self.adapter.pipe.transformer = self.reference
+            try:
+                yield
+            finally:
+                self.adapter.pipe.transformer = trained
+            return
+        raise ValueError(f"unknown policy {name!r}; choose {POLICY}, {OLD} or {REFERENCE}")
+
+    def _adapter_pairs(self, src: str, dst: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        params = dict(self.transformer.named_parameters())
+        pairs = [(p, params[n.replace(f".{src}.", f".{dst}.")]) for n, p in params.items() if f".{src}." in n]
+        if not pairs:
+            raise ValueError(f"no LoRA adapter named {src!r} to copy from")
+        return pairs
+
+    @torch.no_grad()
+    def copy_adapter(self, src: str = POLICY, dst: str = OLD) -> None:
+        """dst ← src on every LoRA tensor."""
+        for s, d in self._adapter_pairs(src, dst):
+            d.copy_(s)
+
+    @torch.no_grad()
+    def ema_adapter(self, decay: float, src: str = POLICY, dst: str = OLD) -> None:
+        """dst ← decay·dst + (1 − decay)·src on every LoRA tensor (decay 0 = copy)."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EMA decay {decay} must be in [0, 1]")
+        for s, d in self._adapter_pairs(src, dst):
+            d.mul_(decay).add_(s, alpha=1.0 - decay)
+
+    # ------------------------------------------------------------------------------ updates
+    def forward_backward(
+        self, micro_batches: Sequence[Rollout], window_steps: Sequence[int] | None = None
+    ) -> dict[str, float]:
+        """Accumulate the loss gradient of one mini-batch; returns metrics averaged over its terms.
+
+        Each micro-batch must carry `samples.advantages_B`; old log-probs default to the rollout's
+        own (same weights, same math), or `samples.old_log_probs_BW` when the trainer recomputed
+        them; KL needs `samples.ref_means`. `window_steps` selects the trained steps (all by default).
+        """
+        if not micro_batches:
+            raise ValueError("forward_backward needs at least one micro-batch")
+        steps = list(range(micro_batches[0].window_size)) if window_steps is None else list(window_steps)
+        if not steps:
+            raise ValueError("no window steps to train: the rollouts were sampled without an SDE window")
+        loss_cfg = self.cfg.loss
+        scale = 1.0 / (len(micro_batches) * len(steps))
+        sums: dict[str, float] = defaultdict(float)
+        terms = len(micro_batches) * len(steps)
+        for index, mb in enumerate(micro_batches):
+            samples = mb.samples
+            if samples.advantages_B is None:
+                raise ValueError("micro-batch has no advantages: the trainer sets samples.advantages_B first")
+            old_log_probs = (
+                samples.old_log_probs_BW if samples.old_log_probs_BW is not None else samples.log_probs_BW
+            )
+            if self.kl_fn is not None and samples.ref_means is None:
+                raise ValueError("KL is on (actor.loss.kl_coef > 0) but the micro-batch has no ref_means")
+            for count, j in enumerate(steps):
+                last = index == len(micro_batches) - 1 and count == len(steps) - 1
+                self._sync_gradients(last)
+                out = evaluate_step(self.adapter, mb, j)
+                device = out.log_prob_B.device
+                inputs = LossInputs(
+                    advantages_B=samples.advantages_B.to(device),
+                    old_log_prob_B=old_log_probs[:, j].to(device),
+                    ref_mean=samples.ref_means[:, j].to(device) if self.kl_fn is not None else None,
+                )
+                loss, metrics = self.loss_fn.compute(inputs, out, loss_cfg)
+                if self.kl_fn is not None:
+                    kl, kl_metrics = self.kl_fn.compute(inputs, out, loss_cfg)
+                    loss = loss + loss_cfg.kl_coef * kl
+                    metrics = {**metrics, **kl_metrics}
+                (loss * scale).backward()
+                sums["loss"] += float(loss.detach())
+                for key, value in metrics.items():
+                    sums[key] += value
+        return self._reduce({key: value / terms for key, value in sums.items()})
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip, then step, unless the gradient norm is not finite: then skip, count and log it."""
+        clip = self.cfg.optim.clip_grad
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optim_steps += 1
+        return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
+
+    @torch.no_grad()
+    def log_probs(self, rollout: Rollout, policy: str = POLICY, micro_batch_size: int | None = None):
+        """(log_probs_BW, means [B, W, ...]) of the rollout's window steps under `policy`, no grad."""
+        size = micro_batch_size or self.cfg.micro_batch_size
+        log_probs, means = [], []
+        with self.use_policy(policy):
+            for start in range(0, len(rollout), size):
+                mb = rollout.select(slice(start, start + size))
+                outs = [evaluate_step(self.adapter, mb, j) for j in range(rollout.window_size)]
+                log_probs.append(torch.stack([o.log_prob_B for o in outs], dim=1))
+                means.append(torch.stack([o.mean for o in outs], dim=1))
+        return torch.cat(log_probs), torch.cat(means)
+
+    # ------------------------------------------------------------------------------ state
+    def save(self, root: str | Path, step: int, extra: dict, keep_last: int) -> Path:
+        from diffrl.train.checkpoint import save_checkpoint
+
+        extra = {**extra, "optim_steps": self.optim_steps, "skipped_steps": self.skipped_steps}
+        return save_checkpoint(
+            Path(root),
+            step,
+            model=self.transformer,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainable_only=self.lora,
+            extra=extra,
+            keep_last=keep_last,
+        )
+
+    def load(self, path: str | Path) -> dict:
+        from diffrl.train.checkpoint import load_checkpoint
+
+        extra = load_checkpoint(
+            Path(path),
+            model=self.transformer,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainable_only=self.lora,
+        )
+        self.optim_steps = int(extra.pop("optim_steps", 0))
+        self.skipped_steps = int(extra.pop("skipped_steps", 0))
+        return extra
+
+    def export_lora(self, out_dir: str | Path, adapter_name: str = POLICY) -> Path:
+        from diffrl.train.export import export_lora
+
+        if not self.lora:
+            raise ValueError("full fine-tuning has no LoRA to export: use export_full")
+        export_lora(
+            self.transformer, Path(out_dir), pipeline_class=type(self.adapter.pipe), adapter_name=adapter_name
+        )
+        return Path(out_dir)
+
+    # ------------------------------------------------------------------------------ internals
+    def _sync_gradients(self, last: bool) -> None:
+        """Under FSDP2 reduce gradients only after the mini-batch's last backward."""
+        if hasattr(self.transformer, "set_requires_gradient_sync"):
+            self.transformer.set_requires_gradient_sync(last)
+
+    @staticmethod
+    def _reduce(metrics: dict[str, float]) -> dict[str, float]:
+        if torch.distributed.is_initialized():
+            from diffrl.train.distributed import all_reduce_mean
+
+            return all_reduce_mean(metrics)
+        return metrics

@@ -1,0 +1,204 @@
+import math
+
+import pytest
+import torch
+
+from diffrl.config.schema import (
+    ActorConfig,
+    LoraConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    RolloutConfig,
+    SdeConfig,
+)
+from diffrl.models import load_model
+from diffrl.rollout import TrajectorySampler
+from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine, lr_lambda
+
+PROMPTS = ["a red circle", "a blue square"]
+
+
+def make(tiny_model, *, rank=4, lr=1e-3, clip_ratio=1e-4, kl_coef=0.0, with_old=False, micro=4):
+    adapter = load_model(tiny_model("sd3"), dtype="float32")
+    model_cfg = ModelConfig(lora=LoraConfig(rank=rank, alpha=rank))
+    actor_cfg = ActorConfig(
+        strategy="none",
+        mini_batch_size=8,
+        micro_batch_size=micro,
+        optim=OptimConfig(lr=lr, weight_decay=0.0),
+        loss=LossConfig(clip_ratio=clip_ratio, kl_coef=kl_coef),
+    )
+    engine = TrainEngine(adapter, model_cfg, actor_cfg, total_optim_steps=10, with_old=with_old)
+    rollout_cfg = RolloutConfig(
+        n=4,
+        micro_batch_size=micro,
+        pipeline=PipelineConfig(
+            height=32, width=32, num_inference_steps=4, guidance_scale=4.5, max_sequence_length=8
+        ),
+        sde=SdeConfig(noise_level=0.8, window_size=2, window_range=[0, 3]),
+    )
+    sampler = TrajectorySampler(adapter, rollout_cfg, progress=False)
+    return engine, sampler
+
+
+def lora_tensors(engine, name):
+    return {n: p.detach().clone() for n, p in engine.transformer.named_parameters() if f".{name}." in n}
+
+
+def perturb_lora(engine, name=POLICY, scale=0.05):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in engine.transformer.named_parameters():
+            if f".{name}." in n:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def test_only_the_default_adapter_trains(tiny_model):
+    engine, _ = make(tiny_model, with_old=True)
+    trainable = [n for n, p in engine.transformer.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n and f".{POLICY}." in n for n in trainable)
+    assert {id(p) for p in engine.params} == {
+        id(p) for p in engine.transformer.parameters() if p.requires_grad
+    }
+
+
+def test_recomputed_log_probs_equal_the_rollouts_before_any_update(tiny_model):
+    engine, sampler = make(tiny_model)
+    perturb_lora(engine)  # a non-trivial policy
+    rollout = sampler.sample(PROMPTS, seed=0, step=0)
+    log_probs, means = engine.log_probs(rollout)  # same micro-batches as sampled
+    assert torch.equal(log_probs, rollout.samples.log_probs_BW)  # ratio exactly 1
+    assert torch.equal(means, rollout.samples.means)
+
+
+def test_flow_grpo_steps_raise_positive_and_lower_negative_samples(tiny_model):
+    engine, sampler = make(tiny_model, lr=3e-3, clip_ratio=0.5)
+    rollout = sampler.sample(PROMPTS, seed=1, step=0)
+    advantages = torch.tensor([1.0, -1.0] * 4)
+    rollout.samples.advantages_B = advantages
+    before, _ = engine.log_probs(rollout)
+    for _ in range(4):
+        engine.forward_backward([rollout.select(slice(0, 4)), rollout.select(slice(4, 8))])
+        engine.optim_step()
+    after, _ = engine.log_probs(rollout)
+    change = (after - before).mean(dim=1)
+    assert (change[advantages > 0] > 0).all(), change
+    assert (change[advantages < 0] < 0).all(), change
+
+
+def test_micro_batch_split_accumulates_the_same_gradient(tiny_model):
+    engine, sampler = make(tiny_model, clip_ratio=0.5)
+    perturb_lora(engine)
+    rollout = sampler.sample(PROMPTS, seed=2, step=0)
+    rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
+    # perturb the policy so ratios differ from 1 and the clip matters
+    whole = rollout.select(slice(0, 4))
+    engine.forward_backward([whole])
+    grads_whole = [p.grad.clone() for p in engine.params]
+    engine.optimizer.zero_grad()
+    engine.forward_backward([whole.select(slice(0, 2)), whole.select(slice(2, 4))])
+    for a, p in zip(grads_whole, engine.params, strict=True):
+        torch.testing.assert_close(p.grad, a, rtol=1e-4, atol=1e-7)
+
+
+def test_reference_policy_is_the_base_model(tiny_model):
+    engine, _ = make(tiny_model)
+    perturb_lora(engine)
+    base = load_model(tiny_model("sd3"), dtype="float32")
+    x = torch.randn(2, *base.latent_shape(32, 32), generator=torch.Generator().manual_seed(3))
+    cond = base.encode_prompts(PROMPTS, ["", ""], 8)
+    t = torch.tensor([700.0, 300.0])
+    with torch.no_grad():
+        expected = base.velocity(x, t, cond, 4.5, 32, 32)
+        with engine.use_policy(REFERENCE):
+            reference = engine.adapter.velocity(x, t, cond, 4.5, 32, 32)
+        policy = engine.adapter.velocity(x, t, cond, 4.5, 32, 32)
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(policy, expected, atol=1e-4)  # the perturbed LoRA is active again
+    assert all(p.requires_grad for p in engine.params)  # and still the trained one
+
+
+def test_copy_and_ema_of_the_old_adapter(tiny_model):
+    engine, _ = make(tiny_model, with_old=True)
+    perturb_lora(engine, POLICY)
+    engine.copy_adapter(POLICY, OLD)
+    default, old = lora_tensors(engine, POLICY), lora_tensors(engine, OLD)
+    for name, value in default.items():
+        assert torch.equal(old[name.replace(f".{POLICY}.", f".{OLD}.")], value)
+    perturb_lora(engine, POLICY, scale=0.1)
+    new_default = lora_tensors(engine, POLICY)
+    engine.ema_adapter(0.9, POLICY, OLD)
+    ema = lora_tensors(engine, OLD)
+    for name, value in new_default.items():
+        old_name = name.replace(f".{POLICY}.", f".{OLD}.")
+        torch.testing.assert_close(ema[old_name], 0.9 * old[old_name] + 0.1 * value)
+    with pytest.raises(ValueError, match=r"decay 1\.5"):
+        engine.ema_adapter(1.5)
+
+
+def test_non_finite_gradient_step_is_skipped_and_counted(tiny_model):
+    engine, _ = make(tiny_model)
+    before = [p.detach().clone() for p in engine.params]
+    for p in engine.params:
+        p.grad = torch.full_like(p, float("nan"))
+    metrics = engine.optim_step()
+    assert math.isnan(metrics["grad_norm"]) and metrics["skipped_steps"] == 1.0
+    assert engine.skipped_steps == 1 and engine.optim_steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, engine.params, strict=True))
+    assert all(p.grad is None for p in engine.params)
+
+
+def test_kl_term_uses_reference_means_and_is_zero_at_the_reference(tiny_model):
+    engine, sampler = make(tiny_model, kl_coef=0.1)
+    rollout = sampler.sample(PROMPTS, seed=0, step=0)
+    rollout.samples.advantages_B = torch.zeros(8)
+    _, ref_means = engine.log_probs(rollout, REFERENCE)
+    rollout.samples.ref_means = ref_means
+    metrics = engine.forward_backward([rollout.select(slice(0, 4))])
+    assert metrics["kl"] == 0.0  # LoRA B starts at zero: the policy is the reference
+    perturb_lora(engine)
+    engine.optimizer.zero_grad()
+    assert engine.forward_backward([rollout.select(slice(0, 4))])["kl"] > 0
+    rollout.samples.ref_means = None
+    with pytest.raises(ValueError, match="no ref_means"):
+        engine.forward_backward([rollout.select(slice(0, 4))])
+
+
+def test_full_fine_tuning_trains_everything_and_keeps_a_frozen_reference(tiny_model):
+    engine, sampler = make(tiny_model, rank=0, kl_coef=0.1)
+    assert all(p.requires_grad for p in engine.transformer.parameters())
+    assert engine.reference is not None and not any(p.requires_grad for p in engine.reference.parameters())
+    rollout = sampler.sample(PROMPTS, seed=0, step=0)
+    rollout.samples.advantages_B = torch.tensor([1.0, -1.0] * 4)
+    _, rollout.samples.ref_means = engine.log_probs(rollout, REFERENCE)
+    engine.forward_backward([rollout.select(slice(0, 4))])
+    engine.optim_step()
+    _, moved = engine.log_probs(rollout)
+    _, still = engine.log_probs(rollout, REFERENCE)
+    assert not torch.equal(moved, still)
+    torch.testing.assert_close(still, rollout.samples.ref_means)
+    with pytest.raises(ValueError, match="needs LoRA"):
+        make(tiny_model, rank=0, with_old=True)
+
+
+def test_missing_advantages_is_an_error(tiny_model):
+    engine, sampler = make(tiny_model)
+    rollout = sampler.sample(PROMPTS, seed=0, step=0)
+    with pytest.raises(ValueError, match="no advantages"):
+        engine.forward_backward([rollout])
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "expected"),
+    [
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0]),
+        # after 2 warmup steps, progress = (step - 2) / (10 - 2)
+        ("linear", [0.5, 1.0, 1.0, 1 - 1 / 8, 1 - 2 / 8]),
+        ("cosine", [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * k / 8)) for k in (0, 1, 2)]),
+    ],
+)
+def test_lr_schedules_match_their_closed_forms(scheduler, expected):
+    factor = lr_lambda(scheduler, warmup_steps=2, total_steps=10)
+    assert [factor(s) for s in range(5)] == pytest.approx(expected)
