@@ -15,6 +15,7 @@ import torch
 NOISE_STREAM = 0
 WINDOW_STREAM = 1
 DATA_STREAM = 2
+LORA_INIT_STREAM = 3
 
 
 def derive_seed(*keys: int) -> int:

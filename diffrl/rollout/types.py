@@ -83,6 +83,16 @@ class Rollout:
             index = torch.tensor(index, dtype=torch.long)
         return replace(self, samples=self.samples[index])
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The rollout with every tensor on `device` (a no-op for tensors already there)."""
+        return replace(
+            self,
+            samples=self.samples.to(device),
+            prompt_embeds=self.prompt_embeds.to(device),
+            sigmas=self.sigmas.to(device),
+            timesteps=self.timesteps.to(device),
+        )
+
     def sample_uids(self) -> list[str]:
         """The prompt uid of every sample, for grouping advantages."""
         return [self.uids[i] for i in self.samples.prompt_index_B.tolist()]

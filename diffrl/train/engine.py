@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
 
 from diffrl.algos import LossInputs, get_loss
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import evaluate_step
 from diffrl.rollout.types import Rollout
+from diffrl.train.lora import inject_lora
 
 POLICY = "default"
 OLD = "old"
@@ -72,6 +71,7 @@ class TrainEngine:
         with_old: bool = False,
         with_reference: bool | None = None,
         reference_device: str | torch.device | None = None,
+        seed: int = 0,
     ):
         self.adapter = adapter
         self.model_cfg = model_cfg
@@ -86,14 +86,7 @@ class TrainEngine:
 
         self.reference = None
         if self.lora:
-            targets = list(model_cfg.lora.target_modules or adapter.default_lora_target_modules)
-            names = [POLICY, OLD] if with_old else [POLICY]
-            for name in names:
-                with warnings.catch_warnings():
-                    # peft warns that a second adapter joins the first: that is the point here.
-                    warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-                    transformer.add_adapter(self._lora_config(targets), adapter_name=name)
-            transformer.set_adapter(POLICY)  # makes only "default" trainable
+            inject_lora(adapter, model_cfg.lora, [POLICY, OLD] if with_old else [POLICY], seed=seed)
             if with_old:
                 self.copy_adapter(POLICY, OLD)
         else:
@@ -129,13 +122,6 @@ class TrainEngine:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.scheduler, optim.warmup_steps, total_optim_steps)
-        )
-
-    def _lora_config(self, targets: list[str]) -> PeftLoraConfig:
-        lora = self.model_cfg.lora
-        init = True if lora.init == "default" else lora.init
-        return PeftLoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=init
         )
 
     @property

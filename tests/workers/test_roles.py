@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from diffrl.config import load_config
+from diffrl.rollout import TrajectorySampler
+from diffrl.workers.roles import ActorWorker, HybridWorker, ReferenceWorker, RolloutWorker
+
+PROMPTS = ["a red circle", "a blue square"]
+
+
+@pytest.fixture()
+def cfg(tiny_model):
+    return load_config(
+        "default",
+        [
+            f"model.path={tiny_model('sd3')}",
+            "model.lora.rank=4",
+            "model.lora.alpha=4",
+            "rollout.n=4",
+            "rollout.micro_batch_size=4",
+            "rollout.pipeline.height=32",
+            "rollout.pipeline.width=32",
+            "rollout.pipeline.num_inference_steps=4",
+            "rollout.pipeline.max_sequence_length=8",
+            "rollout.sde.window_size=2",
+            "rollout.sde.window_range=[0,3]",
+            "data.prompts_per_step=2",
+            "actor.mini_batch_size=8",
+            "actor.micro_batch_size=4",
+            "actor.loss.clip_ratio=0.5",
+            "actor.optim.lr=0.01",
+        ],
+    )
+
+
+def update(worker, rollout):
+    rollout.samples.advantages_B = torch.tensor([1.0, -1.0] * 4)
+    worker.forward_backward([rollout.select(slice(0, 4)), rollout.select(slice(4, 8))])
+    return worker.optim_step()
+
+
+def test_hybrid_worker_samples_with_the_weights_it_just_trained(cfg):
+    hybrid = HybridWorker(cfg)
+    first = hybrid.sample(PROMPTS, seed=0, step=0)
+    again = hybrid.sample(PROMPTS, seed=0, step=0)
+    assert torch.equal(first.samples.final_latents, again.samples.final_latents)
+    update(hybrid, first)
+    after = hybrid.sample(PROMPTS, seed=0, step=0)  # same seed, new weights, no copy in between
+    assert not torch.equal(after.samples.final_latents, first.samples.final_latents)
+    assert hybrid.rollout.adapter is hybrid.engine.adapter
+
+
+def test_weights_streamed_from_the_actor_make_a_separate_rollout_worker_sample_its_policy(cfg):
+    actor, rollout_worker = ActorWorker(cfg), RolloutWorker(cfg)
+    update(actor, rollout_worker.sample(PROMPTS, seed=1, step=0))
+    before = rollout_worker.sample(PROMPTS, seed=2, step=0)
+    assert rollout_worker.load_weights(actor.export_weights()) > 0
+    after = rollout_worker.sample(PROMPTS, seed=2, step=0)
+    on_actor = TrajectorySampler(actor.engine.adapter, cfg.rollout, progress=False).sample(
+        PROMPTS, seed=2, step=0
+    )
+    assert torch.equal(after.samples.final_latents, on_actor.samples.final_latents)
+    assert not torch.equal(before.samples.final_latents, on_actor.samples.final_latents)
+    with pytest.raises(KeyError, match="does not exist in the rollout model"):
+        rollout_worker.load_weights([("not.a.weight", torch.zeros(1))])
+
+
+def test_reference_worker_gives_base_model_means(cfg):
+    hybrid = HybridWorker(cfg)
+    rollout = hybrid.sample(PROMPTS, seed=3, step=0)
+    update(hybrid, rollout)
+    reference = ReferenceWorker(cfg)
+    _, lora_off_means = hybrid.log_probs(rollout, policy="reference")
+    torch.testing.assert_close(reference.means(rollout), lora_off_means, rtol=1e-5, atol=1e-6)
