@@ -1,0 +1,189 @@
+"""One Flow-GRPO training step on an SD3.5-Medium-sized transformer: time, images/s, MFU, memory.
+
+Random weights (real diffusers classes), bf16, LoRA r32 on the SD3 recipe's targets, 512², a
+window of 2 SDE steps, CFG 4.5 recomputed in training as in sampling. The rollout is sampled
+first (not timed); the timed part is the actor update of the whole step: forward + backward over
+every micro-batch and window step, then the optimizer step. MFU counts what the hardware must
+do: a forward, plus a backward that for frozen base weights needs only the activation gradients
+(≈ 1× forward; LoRA's own weight gradients are negligible), so 2× forward FLOPs.
+
+    python benchmarks/train_step.py                                  # 1 GPU
+    torchrun --nproc_per_node 2 benchmarks/train_step.py --fsdp      # FSDP2 over 2 GPUs
+
+Prints one JSON line (rank 0). `losses` and `grad_norms` are per optimizer step on a fixed
+rollout: the 1-GPU and the FSDP2 runs must agree on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rollout import SD3_VAE, SD35_MEDIUM, TEXT_TOKENS, RandomTextSD3Adapter
+
+from diffrl.config.schema import (
+    ActorConfig,
+    LoraConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    RolloutConfig,
+    SdeConfig,
+)
+from diffrl.rollout import TrajectorySampler
+from diffrl.train.engine import TrainEngine
+
+H100_BF16_DENSE_TFLOPS = 989.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--images", type=int, default=32, help="trajectories per step (global)")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8, help="trajectories per forward, per GPU")
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--window", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (launch with torchrun)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
+    args = parser.parse_args()
+
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.fsdp:
+        from diffrl.train.distributed import init_distributed
+
+        init_distributed()
+    device = (
+        torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else "cpu"
+    )
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+
+    torch.manual_seed(0)  # identical random weights on every rank
+    config = {**SD35_MEDIUM, "num_layers": args.layers}
+    config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < args.layers)
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(**config),
+        vae=AutoencoderKL(**SD3_VAE),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    ).to(device, dtype)
+    pipe.set_progress_bar_config(disable=True)
+    adapter = RandomTextSD3Adapter(pipe, device, dtype)
+    size = args.size
+    rollout_cfg = RolloutConfig(
+        n=args.n,
+        micro_batch_size=args.micro_batch,
+        pipeline=PipelineConfig(height=size, width=size, num_inference_steps=args.steps, guidance_scale=4.5),
+        sde=SdeConfig(noise_level=0.7, window_size=args.window, window_range=[0, args.steps // 2]),
+    )
+    # The whole global step's rollout on every rank (same seed), then each rank trains its shard:
+    # exactly the global batch a single GPU trains.
+    prompts = [f"prompt {i}" for i in range(args.images // args.n)]
+    rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(prompts, seed=0, step=0)
+    rollout.samples.advantages_B = torch.linspace(-1, 1, len(rollout), device=device)
+    per_rank = len(rollout) // world
+    shard = rollout.select(slice(rank * per_rank, (rank + 1) * per_rank))
+
+    engine = TrainEngine(
+        adapter,
+        ModelConfig(
+            dtype="bfloat16",
+            lora=LoraConfig(rank=32, alpha=32),
+            gradient_checkpointing=args.gradient_checkpointing,
+        ),
+        ActorConfig(
+            strategy="fsdp2" if args.fsdp else "none",
+            mini_batch_size=args.images,
+            micro_batch_size=args.micro_batch,
+            optim=OptimConfig(lr=1e-4),
+            loss=LossConfig(clip_ratio=1e-4),
+        ),
+        total_optim_steps=100,
+    )
+    if args.compile:
+        adapter.compile_blocks()
+    micro_batches = [
+        shard.select(slice(s, s + args.micro_batch)) for s in range(0, per_rank, args.micro_batch)
+    ]
+
+    def step():
+        metrics = engine.forward_backward(micro_batches)
+        metrics.update(engine.optim_step())
+        return metrics
+
+    def timed():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = step()
+        torch.cuda.synchronize()
+        return metrics, time.perf_counter() - start
+
+    torch.cuda.reset_peak_memory_stats()
+    first, warmup_s = timed()
+    runs = [timed() for _ in range(args.repeats)]
+    seconds = min(t for _, t in runs)
+    forward_flops = (
+        adapter.flops_per_forward(2 * per_rank, size, size, TEXT_TOKENS) * args.window
+    )  # CFG pairs
+    mfu = 2 * forward_flops / seconds / (args.peak_tflops * 1e12)
+    if rank == 0:
+        print(
+            json.dumps(
+                {
+                    "bench": "train_step",
+                    "device": torch.cuda.get_device_name(),
+                    "gpus": world,
+                    "fsdp": args.fsdp,
+                    "compiled": args.compile,
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "images_per_step": len(rollout),
+                    "micro_batch": args.micro_batch,
+                    "window": args.window,
+                    "size": size,
+                    "lora_rank": 32,
+                    # per optimizer step: the 1-GPU and FSDP2 runs must agree (same global batch)
+                    "losses": [first["loss"]] + [m["loss"] for m, _ in runs],
+                    "grad_norms": [first["grad_norm"]] + [m["grad_norm"] for m, _ in runs],
+                    "warmup_s": warmup_s,
+                    "seconds_per_step": seconds,
+                    "images_per_s": len(rollout) / seconds,
+                    "images_per_s_per_gpu": len(rollout) / seconds / world,
+                    "mfu": mfu,
+                    "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
