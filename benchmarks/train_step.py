@@ -141,14 +141,19 @@ def main() -> None:
         metrics.update(engine.optim_step())
         return metrics
 
+    cuda = device != "cpu"
+
     def timed():
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         metrics = step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return metrics, time.perf_counter() - start
 
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     first, warmup_s = timed()
     runs = [timed() for _ in range(args.repeats)]
     seconds = min(t for _, t in runs)
@@ -161,7 +166,7 @@ def main() -> None:
             json.dumps(
                 {
                     "bench": "train_step",
-                    "device": torch.cuda.get_device_name(),
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "gpus": world,
                     "fsdp": args.fsdp,
                     "compiled": args.compile,
@@ -179,7 +184,7 @@ def main() -> None:
                     "images_per_s": len(rollout) / seconds,
                     "images_per_s_per_gpu": len(rollout) / seconds / world,
                     "mfu": mfu,
-                    "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+                    "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
                 }
             )
         )
