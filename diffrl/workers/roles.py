@@ -30,9 +30,12 @@ from diffrl.train.lora import inject_lora
 
 def worker_device() -> torch.device:
     """This process's device: its local GPU when there is one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # Ray gives each GPU actor one visible device (cuda:0); torchrun shows all, indexed by LOCAL_RANK.
+    if torch.cuda.device_count() == 1:
+        return torch.device("cuda", 0)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def join_process_group() -> None:
