@@ -1,0 +1,230 @@
+"""Weights out of a training engine: LoRA in the diffusers format, full safetensors, and a stream.
+
+Three consumers, three shapes:
+
+- `export_lora` writes one named adapter the way diffusers writes LoRAs (peft's
+  `get_peft_model_state_dict` + the pipeline class's own `save_lora_weights`, with the adapter's
+  `LoraConfig` as metadata), so `pipe.load_lora_weights(out_dir)` restores it, scale included.
+- `export_full` writes the whole transformer with diffusers' `save_pretrained` (safetensors), with
+  one adapter merged in by peft when asked, so `<TransformerClass>.from_pretrained(out_dir)` loads it
+  without peft.
+- `iter_weights` yields (name, tensor) pairs one at a time for rollout workers that hold the same
+  module structure (names are the module's state-dict keys).
+
+All three work on plain modules and on FSDP2-sharded ones (DTensor parameters). Under an initialised
+process group they are collectives: every rank must call them (in the same order), because
+gathering a shard is an all-gather; only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+
+# ---------------------------------------------------------------------------------- adapters
+def lora_adapter_names(module: nn.Module) -> list[str]:
+    """Names of the peft adapters injected into `module` (diffusers' PEFT integration), sorted."""
+    return sorted(getattr(module, "peft_config", None) or {})
+
+
+def adapter_key_predicate(module: nn.Module, adapter_name: str | None = None) -> Callable[[str], bool]:
+    """A test "is this state-dict key an adapter weight?" for `module`'s peft adapters (or just one).
+
+    peft stores adapter weights as `<layer>.<adapter layer name>.<adapter name>.<param>`, e.g.
+    `transformer_blocks.0.attn.to_q.lora_A.default.weight`. A key is an adapter weight when two
+    consecutive name parts are one of the tuner layers' `adapter_layer_names` (lora_A, lora_B,
+    lora_embedding_*, lora_magnitude_vector) followed by an adapter name. Matching on name parts
+    rather than module paths keeps the test valid for keys that torch's state-dict utilities have
+    cleaned of wrapper prefixes (activation-checkpoint wrappers, compile).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapters = set(lora_adapter_names(module)) if adapter_name is None else {adapter_name}
+    layer_names = {
+        name for m in module.modules() if isinstance(m, BaseTunerLayer) for name in m.adapter_layer_names
+    }
+
+    def is_adapter_key(key: str) -> bool:
+        parts = key.split(".")
+        return any(a in layer_names and b in adapters for a, b in itertools.pairwise(parts))
+
+    return is_adapter_key
+
+
+def _require_adapters(module: nn.Module, what: str) -> list[str]:
+    names = lora_adapter_names(module)
+    if not names:
+        raise ValueError(
+            f"{what} needs LoRA adapters, but {type(module).__name__} has none (full fine-tuning, "
+            "model.lora.rank=0): use the full-weight path instead (adapter_only=False / export_full / "
+            "trainable_only=False)"
+        )
+    return names
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_rank0() -> bool:
+    return not _is_dist() or dist.get_rank() == 0
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor shard is all-gathered (a collective), a plain tensor is detached."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach()
+    return tensor.detach()
+
+
+# ---------------------------------------------------------------------------------- streaming
+def iter_weights(
+    module: nn.Module, *, adapter_only: bool, adapter_name: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (state-dict key, full tensor) for `module`'s weights, one tensor at a time.
+
+    `adapter_only=True` yields the LoRA adapter weights only (every named adapter, e.g. `default`
+    and a frozen `old`; or just `adapter_name`), with their module keys such as
+    `transformer_blocks.0.attn.to_q.lora_A.default.weight`; `adapter_only=False` yields every entry
+    of `module.state_dict()` (parameters and persistent buffers), in its order.
+
+    Why one at a time: under FSDP2 each parameter is a DTensor shard; `.full_tensor()` gathers it,
+    and the consumer (a broadcast to rollout workers) sends it before the next one is gathered, so
+    peak extra memory is one full parameter, not the model. Collective under a process group: every
+    rank must consume the generator to the end in the same order. Plain tensors are yielded detached
+    and share storage with the module: copy them, do not modify them.
+    """
+    if adapter_name is not None and not adapter_only:
+        raise ValueError(f"adapter_name={adapter_name!r} selects an adapter: it needs adapter_only=True")
+    keep: Callable[[str], bool] = lambda key: True  # noqa: E731
+    if adapter_only:
+        names = _require_adapters(module, "iter_weights(adapter_only=True)")
+        if adapter_name is not None and adapter_name not in names:
+            raise ValueError(f"adapter_name={adapter_name!r} is not one of the module's adapters {names}")
+        keep = adapter_key_predicate(module, adapter_name)
+    for key, tensor in module.state_dict().items():
+        if keep(key):
+            yield key, _full(tensor)
+
+
+# ---------------------------------------------------------------------------------- LoRA export
+def _lora_metadata(module: nn.Module, adapter_name: str) -> dict:
+    """The adapter's `LoraConfig` as a JSON-able dict (diffusers stores it in the safetensors header)."""
+    config = module.peft_config[adapter_name].to_dict()
+    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def export_lora(
+    transformer: nn.Module, out_dir: str | Path, *, pipeline_class: type, adapter_name: str = "default"
+) -> Path:
+    """Write adapter `adapter_name` in the diffusers LoRA format; `pipe.load_lora_weights(out_dir)` loads it.
+
+    The weights come from peft's `get_peft_model_state_dict(transformer, adapter_name=...)` (keys
+    without the adapter name, e.g. `transformer_blocks.0.attn.to_q.lora_A.weight`), gathered to full
+    tensors under FSDP2, and are written by the pipeline class's own `save_lora_weights` (e.g.
+    `StableDiffusion3Pipeline.save_lora_weights`), which adds the `transformer.` prefix and writes
+    `pytorch_lora_weights.safetensors`. The adapter's `LoraConfig` goes in as
+    `transformer_lora_adapter_metadata`: without it a loader would infer alpha = rank and scale the
+    update wrongly whenever lora_alpha != r. Collective under a process group; rank 0 writes.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    names = _require_adapters(transformer, "export_lora")
+    if adapter_name not in names:
+        raise ValueError(f"adapter_name={adapter_name!r} is not one of the transformer's adapters {names}")
+    if not hasattr(pipeline_class, "save_lora_weights"):
+        raise ValueError(
+            f"pipeline_class={pipeline_class!r} has no save_lora_weights: pass the diffusers pipeline class "
+            "the model belongs to (e.g. StableDiffusion3Pipeline; adapter.pipe.__class__)"
+        )
+    layers = {
+        key: _full(value)
+        for key, value in get_peft_model_state_dict(transformer, adapter_name=adapter_name).items()
+    }
+    out = Path(out_dir)
+    if _is_rank0():
+        out.mkdir(parents=True, exist_ok=True)
+        pipeline_class.save_lora_weights(
+            str(out),
+            transformer_lora_layers=layers,
+            transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
+            is_main_process=True,
+        )
+    if _is_dist():
+        dist.barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------------- full export
+def _model_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2 swaps in a subclass (`FSDP<Name>`); export the original."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def export_full(
+    transformer: nn.Module, out_dir: str | Path, *, merge: bool = False, adapter_name: str = "default"
+) -> Path:
+    """Write the full transformer with diffusers' `save_pretrained` (safetensors + config.json).
+
+    Behaviour:
+    - No LoRA adapters (full fine-tuning): the weights as they are; `merge` changes nothing.
+    - LoRA adapters and `merge=True`: adapter `adapter_name` is merged into the base weights of a
+      copy by peft (diffusers' `fuse_lora` then `unload_lora`); the training module is untouched and
+      other adapters (e.g. `old`) are dropped. The result loads with `<Class>.from_pretrained(out_dir)`
+      and no peft; it matches the LoRA-injected transformer up to the rounding of the merge.
+    - LoRA adapters and `merge=False`: a ValueError, because a transformer file with peft's wrapper
+      keys loads nowhere; use `export_lora` for the adapter alone.
+
+    The copy is built on rank 0 from the gathered full state dict (`get_model_state_dict` with
+    `full_state_dict=True, cpu_offload=True`, which gathers FSDP2 shards): its parameters are
+    created on the meta device and take cloned CPU tensors by assignment (never the training
+    module's own storage, which the merge would overwrite), so the export costs one copy of the
+    weights in CPU memory and no random initialisation. Weights keep their training dtype. Collective under a process group; rank 0 writes.
+    """
+    names = lora_adapter_names(transformer)
+    if names and not merge:
+        raise ValueError(
+            f"the transformer carries LoRA adapters {names}: export_full(merge=True, adapter_name=...) "
+            "writes the base weights with one adapter merged in; export_lora(...) writes the adapter alone"
+        )
+    if names and adapter_name not in names:
+        raise ValueError(f"adapter_name={adapter_name!r} is not one of the transformer's adapters {names}")
+    state = get_model_state_dict(
+        transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    out = Path(out_dir)
+    if _is_rank0():
+        # Without sharding the state dict's tensors are the module's own; the merge writes into the
+        # copy's weights, so give the copy its own storage (one tensor at a time: bounded peak).
+        for key in list(state):
+            state[key] = state[key].clone()
+        cls = _model_class(transformer)
+        with torch.device("meta"):
+            clone = cls.from_config(transformer.config)
+            for name in names:
+                clone.add_adapter(copy.deepcopy(transformer.peft_config[name]), adapter_name=name)
+        # strict: every parameter and persistent buffer is replaced. Non-persistent buffers and plain
+        # tensor attributes (rotary tables) stay on the meta device: the merge and save_pretrained
+        # never read them, and the loader of the exported directory computes them afresh.
+        clone.load_state_dict(state, strict=True, assign=True)
+        if names:
+            clone.fuse_lora(adapter_names=[adapter_name])
+            clone.unload_lora()
+        out.mkdir(parents=True, exist_ok=True)
+        clone.save_pretrained(str(out), safe_serialization=True)
+        del clone, state
+    if _is_dist():
+        dist.barrier()
+    return out
