@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,11 +37,46 @@ def adapter_class(pipeline_class_name: str) -> type[ModelAdapter]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+TINY_PREFIX = "tiny:"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """`model.path` -> a directory. `tiny:<family>` names a tiny random model built offline once
+    into the cache (`$DIFFRL_CACHE`, default ~/.cache/diffrl): demos and tests need no download."""
+    text = str(path)
+    if not text.startswith(TINY_PREFIX):
+        return Path(path)
+    from diffrl import __version__
+    from diffrl.models.tiny import TINY_BUILDERS, build_tiny
+
+    family = text[len(TINY_PREFIX) :]
+    if family not in TINY_BUILDERS:
+        raise ValueError(
+            f"model.path={text!r}: no tiny model {family!r}; choose tiny:{', tiny:'.join(TINY_BUILDERS)}"
+        )
+    cache = Path(os.environ.get("DIFFRL_CACHE", Path.home() / ".cache" / "diffrl"))
+    target = cache / "tiny" / f"{family}-seed0-v{__version__}"
+    if not (target / "model_index.json").is_file():
+        # Build beside the target and rename, so concurrent workers never see a half-written model.
+        staging = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=_mkdir(target.parent)))
+        build_tiny(family, staging, seed=0)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race: its copy is identical
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def read_model_index(path: str | Path) -> dict:
     """The directory's model_index.json, with clear errors for a missing directory, file or component."""
-    root = Path(path)
     if not str(path):
         raise ValueError("model.path is empty: set it to a local diffusers directory (with model_index.json)")
+    root = resolve_model_path(path)
     if not root.is_dir():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a directory: point it to a local diffusers model directory "
@@ -76,7 +114,15 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.de
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     index = read_model_index(path)
     cls = adapter_class(index["_class_name"])
-    return cls.from_pretrained(path, torch.device(device), DTYPES[dtype])
+    return cls.from_pretrained(resolve_model_path(path), torch.device(device), DTYPES[dtype])
 
 
-__all__ = ["ADAPTERS", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_model", "read_model_index"]
+__all__ = [
+    "ADAPTERS",
+    "ModelAdapter",
+    "PromptEmbeds",
+    "adapter_class",
+    "load_model",
+    "read_model_index",
+    "resolve_model_path",
+]

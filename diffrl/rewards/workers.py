@@ -24,7 +24,6 @@ The controller's loop, with either implementation:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -192,7 +191,7 @@ class RayRewardWorkers:
         except Exception:
             self.close()
             raise
-        self._next = itertools.cycle(range(workers))
+        self._submitted = 0  # round robin; a plain int so the object pickles into other actors
 
     def submit(
         self,
@@ -200,7 +199,8 @@ class RayRewardWorkers:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardHandle:
-        actor = self.actors[next(self._next)]
+        actor = self.actors[self._submitted % len(self.actors)]
+        self._submitted += 1
         rows = None if metadata is None else [dict(row) for row in metadata]
         return _RayHandle(actor.score.remote(pixels.detach().cpu(), list(prompts), rows))
 

@@ -64,11 +64,14 @@ class TrajectorySampler:
         metadata: Sequence[dict[str, Any]] | None = None,
         negative_prompts: Sequence[str] | None = None,
         on_decoded: OnDecoded | None = None,
+        sample_offset: int = 0,
     ) -> Rollout:
         """A training rollout: `rollout.n` SDE-window trajectories per prompt.
 
         `on_decoded` is called with each micro-batch's trajectories as soon as its pixels exist,
-        so rewards can score them while the next micro-batch samples.
+        so rewards can score them while the next micro-batch samples. `sample_offset` is the index
+        of this call's first sample within the whole step, when workers share a step's prompts:
+        sample indices key the noise, so they must be global.
         """
         pipe = self.cfg.pipeline
         return self._run(
@@ -84,6 +87,7 @@ class TrajectorySampler:
             metadata=metadata,
             negative_prompts=negative_prompts,
             on_decoded=on_decoded,
+            sample_offset=sample_offset,
         )
 
     def sample_validation(
@@ -93,6 +97,7 @@ class TrajectorySampler:
         uids: Sequence[str] | None = None,
         metadata: Sequence[dict[str, Any]] | None = None,
         negative_prompts: Sequence[str] | None = None,
+        sample_offset: int = 0,
     ) -> Rollout:
         """A validation rollout: `rollout.val.n` samples per prompt with the fixed validation seed.
 
@@ -114,6 +119,7 @@ class TrajectorySampler:
             metadata=metadata,
             negative_prompts=negative_prompts,
             on_decoded=None,
+            sample_offset=sample_offset,
         )
 
     # ------------------------------------------------------------------------------ internals
@@ -148,6 +154,7 @@ class TrajectorySampler:
         metadata: Sequence[dict[str, Any]] | None,
         negative_prompts: Sequence[str] | None,
         on_decoded: OnDecoded | None,
+        sample_offset: int,
     ) -> Rollout:
         prompts = list(prompts)
         if not prompts:
@@ -172,7 +179,7 @@ class TrajectorySampler:
 
         total = len(prompts) * n
         prompt_index_B = torch.arange(len(prompts)).repeat_interleave(n)
-        sample_index_B = torch.arange(total)
+        sample_index_B = torch.arange(sample_offset, sample_offset + total)
         micro = self.cfg.micro_batch_size
         chunks: list[Trajectories] = []
         with self._progress_bar() as bar, torch.no_grad():

@@ -50,3 +50,17 @@ def test_every_registered_adapter_declares_its_facts(name):
     from diffrl.schedules import PIPELINE_CONVENTIONS
 
     assert cls.schedule_convention in PIPELINE_CONVENTIONS
+
+
+def test_tiny_model_paths_build_once_into_the_cache(tmp_path, monkeypatch):
+    from diffrl.models import resolve_model_path
+
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path))
+    first = resolve_model_path("tiny:sd3")
+    assert (first / "model_index.json").is_file() and first.parent == tmp_path / "tiny"
+    stamp = (first / "model_index.json").stat().st_mtime_ns
+    assert resolve_model_path("tiny:sd3") == first  # cached: not rebuilt
+    assert (first / "model_index.json").stat().st_mtime_ns == stamp
+    assert type(load_model("tiny:sd3", dtype="float32")).__name__ == "SD3Adapter"
+    with pytest.raises(ValueError, match=r"no tiny model 'sdxl'; choose tiny:sd3"):
+        resolve_model_path("tiny:sdxl")
