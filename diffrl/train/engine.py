@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from diffusers.training_utils import cast_training_params
 
 from diffrl.algos import LossInputs, get_loss
 from diffrl.config.schema import ActorConfig, ModelConfig
@@ -87,6 +88,8 @@ class TrainEngine:
         self.reference = None
         if self.lora:
             inject_lora(adapter, model_cfg.lora, [POLICY, OLD] if with_old else [POLICY], seed=seed)
+            # diffusers creates LoRA weights in the base dtype; AdamW needs fp32 master weights.
+            cast_training_params(transformer, torch.float32)
             if with_old:
                 self.copy_adapter(POLICY, OLD)
         else:

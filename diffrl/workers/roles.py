@@ -29,13 +29,18 @@ from diffrl.train.lora import inject_lora
 
 
 def worker_device() -> torch.device:
-    """This process's device: its local GPU when there is one, else the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # Ray gives each GPU actor one visible device (cuda:0); torchrun shows all, indexed by LOCAL_RANK.
-    if torch.cuda.device_count() == 1:
-        return torch.device("cuda", 0)
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    """This process's device: its GPU (cuda:0 under Ray, cuda:LOCAL_RANK under torchrun) or the CPU."""
+    from diffrl.train.distributed import device_for_rank
+
+    return device_for_rank()
+
+
+def build_adapter(cfg: Config) -> ModelAdapter:
+    """The configured model on this process's device: dtype, attention backend, compilation."""
+    adapter = load_model(cfg.model.path, cfg.model.dtype, worker_device())
+    if cfg.model.attn_backend != "native":
+        adapter.transformer.set_attention_backend(cfg.model.attn_backend)
+    return adapter
 
 
 def join_process_group() -> None:
@@ -52,9 +57,11 @@ class RolloutWorker:
     def __init__(self, cfg: Config, adapter: ModelAdapter | None = None):
         self.cfg = cfg
         if adapter is None:  # its own model: the same LoRA layout as the actor's, to receive its weights
-            adapter = load_model(cfg.model.path, cfg.model.dtype, worker_device())
+            adapter = build_adapter(cfg)
             if cfg.model.lora.rank > 0:
                 inject_lora(adapter, cfg.model.lora, [POLICY], seed=cfg.trainer.seed)
+            if cfg.model.compile:
+                adapter.compile_blocks()
         self.adapter = adapter
         self.sampler = TrajectorySampler(self.adapter, cfg.rollout, progress=False)
 
@@ -103,7 +110,7 @@ class ActorWorker:
     def __init__(self, cfg: Config, adapter: ModelAdapter | None = None, *, with_old: bool = False):
         join_process_group()
         self.cfg = cfg
-        adapter = adapter or load_model(cfg.model.path, cfg.model.dtype, worker_device())
+        adapter = adapter or build_adapter(cfg)
         mini_batches = cfg.images_per_step // cfg.actor.mini_batch_size
         self.engine = TrainEngine(
             adapter,
@@ -113,6 +120,8 @@ class ActorWorker:
             with_old=with_old,
             seed=cfg.trainer.seed,
         )
+        if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
+            adapter.compile_blocks()
 
     def forward_backward(self, micro_batches: Sequence[Rollout], window_steps: Sequence[int] | None = None):
         device = self.engine.adapter.device
@@ -153,6 +162,7 @@ class HybridWorker(ActorWorker):
     def __init__(self, cfg: Config, adapter: ModelAdapter | None = None, *, with_old: bool = False):
         super().__init__(cfg, adapter, with_old=with_old)
         self.rollout = RolloutWorker(cfg, self.engine.adapter)
+        self._text_len = 0
 
     def sample(self, prompts: Sequence[str], **kwargs) -> Rollout:
         with torch.no_grad():
@@ -161,12 +171,86 @@ class HybridWorker(ActorWorker):
     def sample_validation(self, prompts: Sequence[str], **kwargs) -> Rollout:
         return self.rollout.sample_validation(prompts, **kwargs)
 
+    def sample_and_score(self, shard: dict[str, Any], *, seed: int, step: int, rewards: Any) -> Rollout:
+        """Sample a shard of prompts; each decoded micro-batch goes to `rewards.submit` at once.
+
+        The rollout comes back on the CPU with the reward handles in `extras["reward_handles"]`,
+        in sample order, for the controller to gather.
+        """
+        handles: list[Any] = []
+        on_decoded = _submitter(rewards, shard["prompts"], shard["metadata"], handles)
+        with torch.no_grad():
+            rollout = self.rollout.sampler.sample(
+                shard["prompts"],
+                seed=seed,
+                step=step,
+                uids=shard["uids"],
+                metadata=shard["metadata"],
+                negative_prompts=shard["negative_prompts"],
+                on_decoded=on_decoded,
+                sample_offset=shard["sample_offset"],
+            )
+        self._text_len = rollout.prompt_embeds.embeds.shape[1]
+        rollout = rollout.to("cpu")
+        rollout.extras["reward_handles"] = handles
+        return rollout
+
+    def validate_and_score(self, shard: dict[str, Any] | None, *, rewards: Any) -> Rollout | None:
+        """`sample_validation` of a shard (None: this worker has no validation prompts), scored."""
+        if shard is None:
+            return None
+        rollout = self.rollout.sampler.sample_validation(
+            shard["prompts"],
+            uids=shard["uids"],
+            metadata=shard["metadata"],
+            negative_prompts=shard["negative_prompts"],
+            sample_offset=shard["sample_offset"],
+        ).to("cpu")
+        handles: list[Any] = []
+        _submitter(rewards, shard["prompts"], shard["metadata"], handles)(rollout.samples)
+        rollout.extras["reward_handles"] = handles
+        return rollout
+
+    def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
+        """Model FLOPs of one step's phases for `images` trajectories (all workers together).
+
+        gen: every denoising step; old_log_prob / ref: a forward per window step; update_actor: a
+        forward and a backward per window step and epoch (2× forward with frozen base weights under
+        LoRA, 3× when the weights train too). CFG doubles every forward when it is on.
+        """
+        cfg, adapter = self.cfg, self.engine.adapter
+        pipe = cfg.rollout.pipeline
+        cfg_factor = 2 if adapter.wants_negative(pipe.guidance_scale, pipe.true_cfg_scale) else 1
+        forward = adapter.flops_per_forward(
+            images * cfg_factor, pipe.height, pipe.width, self._text_len, pipe.num_frames
+        )
+        backward = 1.0 if self.engine.lora else 2.0
+        flops = {
+            "gen": forward * pipe.num_inference_steps,
+            "update_actor": forward * window * cfg.actor.epochs * (1.0 + backward),
+        }
+        if recompute_old:
+            flops["old_log_prob"] = forward * window
+        if cfg.actor.loss.kl_coef > 0:
+            flops["ref"] = forward * window
+        return flops
+
+
+def _submitter(rewards: Any, prompts: Sequence[str], metadata: Sequence[dict], handles: list[Any]):
+    """An `on_decoded` callback sending each micro-batch's pixels to the reward workers."""
+
+    def submit(chunk) -> None:
+        rows = chunk.prompt_index_B.tolist()
+        handles.append(rewards.submit(chunk.pixels, [prompts[i] for i in rows], [metadata[i] for i in rows]))
+
+    return submit
+
 
 class ReferenceWorker:
     """The frozen base model, for the KL term of full fine-tuning on its own GPU."""
 
     def __init__(self, cfg: Config, adapter: ModelAdapter | None = None):
-        self.adapter = adapter or load_model(cfg.model.path, cfg.model.dtype, worker_device())
+        self.adapter = adapter or build_adapter(cfg)
         self.adapter.transformer.requires_grad_(False).eval()
         self.micro_batch_size = cfg.actor.micro_batch_size
 
