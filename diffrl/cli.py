@@ -52,6 +52,15 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from diffrl.trainer.run import train
+
+    source, overrides = _split_source(args.items)
+    run_dir = train(source, overrides)
+    print(f"run finished: {run_dir}")
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from diffrl.rollout.generate import generate
 
@@ -92,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"diffrl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="run an RL job from a preset or YAML file with key=value overrides",
+        description="Run an RL job. Config errors, a missing model or data file, or an unknown reward are "
+        "reported before anything starts. trainer.resume=auto continues the run named trainer.run_name.",
+    )
+    train.add_argument(
+        "items",
+        nargs="*",
+        metavar="[PRESET|file.yaml] [key=value ...]",
+        help="a preset name (default: 'default') or a YAML file, then dotted key=value overrides",
+    )
+    train.set_defaults(func=cmd_train)
 
     presets = sub.add_parser("presets", help="list the built-in presets")
     presets.set_defaults(func=cmd_presets)

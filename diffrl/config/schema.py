@@ -69,6 +69,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
     attn_backend: str = "native"  # a diffusers attention backend name
+    compile: bool = False  # torch.compile each transformer block (regional): faster after a warmup
 
     DTYPES = ("float32", "bfloat16", "float16")
 
@@ -310,7 +311,6 @@ class RolloutCorrectionConfig:
     is_lower: float = 0.5
     rejection: str = "none"  # reject samples whose k1/k2/k3 statistic exceeds rejection_threshold
     rejection_threshold: float = 0.01
-    bypass: bool = False  # use the rollout's log-probs as the old ones (skip the recompute)
 
     IS_LEVELS = ("none", "step", "sequence")
     IS_MODES = ("truncate", "mask")
@@ -338,9 +338,13 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True  # false = Dr.GRPO (no division by the std)
     global_std: bool = True  # true: the batch's reward std; false: each group's own
     timestep_fraction: float = 1.0  # fraction of window steps trained (DanceGRPO-style subsampling)
+    # auto: reuse the rollout's own log-probs when the sampler is the trained module itself
+    # (colocated, same dtype, same compile), recompute otherwise; recompute; rollout (always reuse)
+    old_log_probs: str = "auto"
     old_policy: OldPolicyConfig = field(default_factory=OldPolicyConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
+    OLD_LOG_PROBS = ("auto", "recompute", "rollout")
     TRAINER_TYPES = ("policy_gradient", "direct_preference")
     SAMPLE_SOURCES = ("online", "offline")
 
@@ -349,6 +353,7 @@ class AlgorithmConfig:
 
         _require_choice(f"{at}.trainer_type", self.trainer_type, self.TRAINER_TYPES)
         _require_choice(f"{at}.sample_source", self.sample_source, self.SAMPLE_SOURCES)
+        _require_choice(f"{at}.old_log_probs", self.old_log_probs, self.OLD_LOG_PROBS)
         try:
             get_advantage_estimator(self.adv_estimator)
         except ValueError as err:
@@ -466,6 +471,19 @@ class Config:
                 n,
                 "must be >= 2 for policy-gradient training: advantages compare samples of one prompt",
             )
+        _require(
+            self.world_size == 1 or self.actor.strategy == "fsdp2",
+            "actor.strategy",
+            self.actor.strategy,
+            f"must be fsdp2 with {self.world_size} workers (trainer.n_gpus_per_node × trainer.nnodes): "
+            "without it each worker would train its own copy",
+        )
+        _require(
+            self.data.prompts_per_step % self.world_size == 0,
+            "data.prompts_per_step",
+            self.data.prompts_per_step,
+            f"must be a multiple of the {self.world_size} worker(s): each worker samples whole prompt groups",
+        )
         _require(
             mini % n == 0,
             "actor.mini_batch_size",

@@ -191,7 +191,23 @@ def test_batch_sizes_must_nest():
         load_config("default", ["actor.mini_batch_size=64"])
     # micro-batches are per worker: 2 workers × 16 no longer divide a mini-batch of 16
     with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=16 is invalid: × the 2 worker"):
-        load_config("default", ["actor.mini_batch_size=16", "trainer.n_gpus_per_node=2"])
+        load_config(
+            "default", ["actor.mini_batch_size=16", "trainer.n_gpus_per_node=2", "actor.strategy=fsdp2"]
+        )
+    with pytest.raises(ConfigError, match=r"actor\.strategy='none' is invalid: must be fsdp2 with 2 workers"):
+        load_config("default", ["actor.micro_batch_size=8", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(
+        ConfigError, match=r"data\.prompts_per_step=3 is invalid: must be a multiple of the 2 worker"
+    ):
+        load_config(
+            "default",
+            [
+                "trainer.n_gpus_per_node=2",
+                "actor.strategy=fsdp2",
+                "data.prompts_per_step=3",
+                "actor.mini_batch_size=8",
+            ],
+        )
     with pytest.raises(ConfigError, match=r"rollout\.n=1 is invalid: must be >= 2"):
         load_config("default", ["rollout.n=1", "actor.mini_batch_size=4", "actor.micro_batch_size=4"])
 
