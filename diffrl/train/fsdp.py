@@ -128,9 +128,15 @@ def shard_transformer(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    cast_forward_inputs: bool = False,
     mesh=None,
 ) -> nn.Module:
     """Shard `transformer` in place with FSDP2: each declared block, then the root. Returns it.
+
+    - `cast_forward_inputs`: off by default: the model adapters hand the network its inputs in the
+      dtypes the diffusers pipeline uses, and FSDP's casting would also turn the fp32 timesteps
+      into bf16 (1000·σ rounded to 8 mantissa bits), so sharded and unsharded runs would compute
+      different models. Turn it on only for callers that pass fp32 inputs to a bf16-compute model.
 
     - `param_dtype`: the compute dtype the all-gather casts parameters to (bf16 on GPU); None
       computes in the parameters' own dtype. The sharded parameters keep their own dtype, which
@@ -178,7 +184,9 @@ def shard_transformer(
                 "set actor.param_offload=false"
             )
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
+    )
     # Bottom-up: a block nested in another block must be its own unit before its parent takes the rest.
     for block in reversed(blocks):
         fully_shard(

@@ -181,7 +181,14 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         add_lora(tr)
         cast_training_params(tr, dtype=torch.float32)  # LoRA weights to fp32, as diffusers' scripts do
         n_lora = sum("lora_" in name for name, p in tr.named_parameters() if p.requires_grad)
-        shard_transformer(tr, BLOCKS, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, mesh=mesh)
+        shard_transformer(
+            tr,
+            BLOCKS,
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=True,
+            mesh=mesh,
+        )
         with torch.no_grad():
             tr.disable_adapters()
             forward(tr, inputs)
@@ -415,7 +422,9 @@ def bf16_lora_step(model_dir, device, rank: int, world: int, *, shard: bool):
     for key in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
         inputs[key] = inputs[key].bfloat16()  # as the adapter's velocity() does
     if shard:
-        shard_transformer(tr, BLOCKS, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_transformer(
+            tr, BLOCKS, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
+        )
     with torch.no_grad():
         tr.disable_adapters()
         forward(tr, inputs)
