@@ -1,0 +1,218 @@
+"""Prompt files: .txt (one prompt per line), .jsonl (one JSON object per line), .parquet (one row each).
+
+Every row becomes a `PromptRecord`: the prompt, an optional negative prompt, and every other field
+of the row as `metadata`, which travels with the prompt to the reward functions (an OCR target text,
+a shapes spec, a `data_source` for per-source validation metrics). Rows are checked while loading,
+so a bad file fails before any model or worker starts, with the file, the line (or row) and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+NEGATIVE_PROMPT_KEY = "negative_prompt"
+DATA_SOURCE_KEY = "data_source"
+
+_FORMATS = ".txt (one prompt per line), .jsonl (one JSON object per line) or .parquet (one row per prompt)"
+# Column names that usually hold the prompt, offered when the configured key is missing.
+_COMMON_PROMPT_KEYS = ("prompt", "prompts", "caption", "text", "instruction", "query", "input")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt and what the rewards need to score its images.
+
+    `metadata` holds every field of the row except the prompt and the negative prompt, plus
+    `data_source` (the file's stem unless the row names one). `source` is `file:line` (1-based line
+    for .txt/.jsonl, 1-based row for .parquet), for error messages and provenance.
+    """
+
+    prompt: str
+    negative_prompt: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False)
+    source: str = "<memory>"
+
+    @property
+    def data_source(self) -> str | None:
+        return self.metadata.get(DATA_SOURCE_KEY)
+
+
+def load_prompts(
+    files: Sequence[str | os.PathLike] | str | os.PathLike, prompt_key: str = "prompt"
+) -> list[PromptRecord]:
+    """Every prompt of `files`, in file order then row order.
+
+    `prompt_key` names the field holding the prompt in .jsonl/.parquet rows (`data.prompt_key`); a
+    .txt file is all prompts. Raises FileNotFoundError for a missing file and ValueError for an
+    unsupported extension, a file without prompts, or a bad row (naming the file, the line and the fix).
+    """
+    if isinstance(files, str | os.PathLike):
+        files = [files]
+    files = list(files)
+    if not files:
+        raise ValueError(f"no prompt files given: list at least one {_FORMATS} file")
+    if not isinstance(prompt_key, str) or not prompt_key:
+        raise ValueError(
+            f"prompt_key={prompt_key!r} is invalid: it must name the field that holds the prompt"
+        )
+    records: list[PromptRecord] = []
+    for file in files:
+        records.extend(_load_file(Path(file), prompt_key))
+    return records
+
+
+# --------------------------------------------------------------------------------------- files
+def _load_file(path: Path, prompt_key: str) -> list[PromptRecord]:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"prompt file not found: {path} (resolved to {path.resolve()}); "
+            "check the path in data.train_files / data.val_files"
+        )
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: list the prompt files in it ({_FORMATS}) one by one")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        records = _load_txt(path)
+    elif suffix == ".jsonl":
+        records = _load_jsonl(path, prompt_key)
+    elif suffix == ".parquet":
+        records = _load_parquet(path, prompt_key)
+    else:
+        hint = ""
+        if suffix == ".json":
+            hint = "; for JSON write one object per line and name the file .jsonl"
+        elif suffix in (".csv", ".tsv"):
+            hint = "; convert it to .parquet or .jsonl"
+        raise ValueError(
+            f"{path}: unsupported prompt file extension {suffix or '(none)'!r}; supported: {_FORMATS}{hint}"
+        )
+    if not records:
+        raise ValueError(
+            f"{path}: no prompts in the file (it is empty or has only blank lines); "
+            "add prompts or remove it from data.train_files / data.val_files"
+        )
+    return records
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The file's lines (UTF-8, a BOM allowed), split on newlines only, so numbers match an editor's."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({err.reason}); save the file as UTF-8") from None
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+def _load_txt(path: Path) -> list[PromptRecord]:
+    records = []
+    for number, line in enumerate(_read_lines(path), start=1):
+        prompt = line.strip()
+        if prompt:
+            records.append(PromptRecord(prompt, None, {DATA_SOURCE_KEY: path.stem}, f"{path}:{number}"))
+    return records
+
+
+def _load_jsonl(path: Path, prompt_key: str) -> list[PromptRecord]:
+    records = []
+    for number, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each line of a .jsonl "
+                f'file must be one JSON object, e.g. {{"{prompt_key}": "a red circle"}}'
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object, got a JSON {_json_type(row)}; write each row "
+                f'as an object, e.g. {{"{prompt_key}": "a red circle"}}'
+            )
+        records.append(_record(row, prompt_key, path, number, "line"))
+    return records
+
+
+def _load_parquet(path: Path, prompt_key: str) -> list[PromptRecord]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    if table.num_rows == 0:
+        return []  # reported as an empty file
+    if prompt_key not in table.column_names:
+        raise ValueError(
+            f"{path}: no prompt column {prompt_key!r} (columns: {table.column_names}); "
+            f"{_key_fix(prompt_key, table.column_names)}"
+        )
+    return [
+        _record(row, prompt_key, path, number, "row") for number, row in enumerate(table.to_pylist(), start=1)
+    ]
+
+
+# ----------------------------------------------------------------------------------------- rows
+def _record(row: dict[str, Any], prompt_key: str, path: Path, number: int, unit: str) -> PromptRecord:
+    where = f"{path}:{number}" if unit == "line" else f"{path} {unit} {number}"
+    if prompt_key not in row:
+        keys = list(row)
+        raise ValueError(
+            f"{where}: no prompt key {prompt_key!r} (the row has keys {keys}); "
+            f"{_key_fix(prompt_key, keys)}, or add {prompt_key!r} to every row"
+        )
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str):
+        got = "null" if prompt is None else f"{_json_type(prompt)} {_short(prompt)}"
+        raise ValueError(f"{where}: the prompt {prompt_key!r} must be a string, got {got}")
+    prompt = prompt.strip()
+    if not prompt:
+        raise ValueError(f"{where}: the prompt {prompt_key!r} is empty; give the row a prompt or remove it")
+    negative = row.get(NEGATIVE_PROMPT_KEY)
+    if negative is not None and not isinstance(negative, str):
+        raise ValueError(
+            f"{where}: {NEGATIVE_PROMPT_KEY!r} must be a string or null, got {_json_type(negative)} {_short(negative)}"
+        )
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, NEGATIVE_PROMPT_KEY)}
+    source = metadata.get(DATA_SOURCE_KEY)
+    if source is None:  # absent, or a null cell of a parquet column
+        metadata[DATA_SOURCE_KEY] = path.stem
+    elif not isinstance(source, str) or not source:
+        raise ValueError(
+            f"{where}: {DATA_SOURCE_KEY!r} must be a non-empty string (it names validation metrics), "
+            f"got {_short(source)}; leave it out to use the file name {path.stem!r}"
+        )
+    return PromptRecord(prompt, negative, metadata, f"{path}:{number}")
+
+
+def _key_fix(key: str, keys: Sequence[str]) -> str:
+    """How to fix a missing prompt key: the likely intended key when there is one."""
+    keys = [k for k in keys if isinstance(k, str)]
+    matches = [k for k in keys if k.lower() == key.lower()]
+    matches += [k for k in difflib.get_close_matches(key, keys, n=3, cutoff=0.6) if k not in matches]
+    matches += [k for k in keys if k.lower() in _COMMON_PROMPT_KEYS and k not in matches]
+    if not matches:
+        return "set data.prompt_key to the key that holds the prompt"
+    return f"did you mean {' or '.join(repr(k) for k in matches[:3])}? Then set data.prompt_key={matches[0]}"
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
