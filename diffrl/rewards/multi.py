@@ -24,6 +24,7 @@ Metrics of a step (`RewardBatch.metrics(uids)`), in the scheme of `diffrl.algos.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -118,6 +119,16 @@ class RewardBatch:
 
     def __len__(self) -> int:
         return int(self.total_B.shape[0])
+
+    def select(self, index: slice) -> RewardBatch:
+        """The samples at `index` (per-sample fields sliced; counters and timings kept whole)."""
+        return dataclasses.replace(
+            self,
+            total_B=self.total_B[index],
+            scores={k: v[index] for k, v in self.scores.items()},
+            extras={k: v[index] for k, v in self.extras.items()},
+            failed={k: v[index] for k, v in self.failed.items()},
+        )
 
     @staticmethod
     def concat(batches: Sequence[RewardBatch]) -> RewardBatch:

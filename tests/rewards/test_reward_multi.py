@@ -123,3 +123,19 @@ def test_build_failure_names_the_entry():
     with pytest.raises(FileNotFoundError) as info:
         MultiReward({"clip_score": {"args": {"model": "/no/such/dir"}}})
     assert "while building reward.functions.clip_score" in "\n".join(info.value.__notes__)
+
+
+def test_select_keeps_the_per_sample_rows_of_a_concatenated_batch():
+    reward = MultiReward({"jpeg_compressibility": {"weight": 2.0}})
+    first, second = (
+        reward(_pixels(2, seed=1), ["a", "b"], None),
+        reward(_pixels(3, seed=2), ["c", "d", "e"], None),
+    )
+    whole = RewardBatch.concat([first, second])
+    tail = whole.select(slice(2, 5))
+    torch.testing.assert_close(tail.total_B, second.total_B)
+    torch.testing.assert_close(tail.scores["jpeg_compressibility"], second.scores["jpeg_compressibility"])
+    torch.testing.assert_close(
+        tail.extras["jpeg_compressibility/jpeg_kb"], second.extras["jpeg_compressibility/jpeg_kb"]
+    )
+    assert len(tail) == 3 and tail.failed_batches == whole.failed_batches
