@@ -195,10 +195,8 @@ class HybridWorker(ActorWorker):
         rollout.extras["reward_handles"] = handles
         return rollout
 
-    def validate_and_score(self, shard: dict[str, Any] | None, *, rewards: Any) -> Rollout | None:
-        """`sample_validation` of a shard (None: this worker has no validation prompts), scored."""
-        if shard is None:
-            return None
+    def validate_and_score(self, shard: dict[str, Any], *, rewards: Any) -> Rollout:
+        """`sample_validation` of a shard of prompts, scored."""
         rollout = self.rollout.sampler.sample_validation(
             shard["prompts"],
             uids=shard["uids"],
@@ -210,6 +208,12 @@ class HybridWorker(ActorWorker):
         _submitter(rewards, shard["prompts"], shard["metadata"], handles)(rollout.samples)
         rollout.extras["reward_handles"] = handles
         return rollout
+
+    def memory(self) -> dict[str, float]:
+        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
+        from diffrl.telemetry import memory_metrics
+
+        return memory_metrics(self.engine.adapter.device)
 
     def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
         """Model FLOPs of one step's phases for `images` trajectories (all workers together).

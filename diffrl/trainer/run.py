@@ -1,0 +1,145 @@
+"""`diffrl train`: check everything cheap first, then start workers and run the loop.
+
+Order matters for users: a config typo, a missing model directory, an empty prompt file or an
+unknown reward is reported before Ray or any model starts, and nothing is written for a run that
+cannot start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from diffrl.config import load_config, to_yaml
+from diffrl.config.loader import resolve_source
+from diffrl.config.schema import Config, ConfigError
+from diffrl.data import PromptRecord, load_prompts
+from diffrl.models import read_model_index
+from diffrl.rewards import reward_specs
+from diffrl.train.checkpoint import latest_checkpoint
+from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer, write_json
+
+BUILTIN_DATA = Path(__file__).resolve().parents[1] / "config" / "presets" / "data"
+
+
+def data_path(path: str) -> str:
+    """`builtin:<file>` names a prompt file shipped with diffrl (diffrl/config/presets/data/)."""
+    if path.startswith("builtin:"):
+        return str(BUILTIN_DATA / path.removeprefix("builtin:"))
+    return path
+
+
+def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Every check that needs no model and no Ray; returns the train and validation prompts."""
+    from diffrl.telemetry import check_loggers
+
+    check_loggers(cfg.trainer.loggers)
+    read_model_index(cfg.model.path)
+    reward_specs(cfg.reward.functions)
+    if cfg.algorithm.trainer_type != "policy_gradient":
+        raise ConfigError(
+            f"algorithm.trainer_type={cfg.algorithm.trainer_type!r} is not available yet: use policy_gradient"
+        )
+    if not cfg.data.train_files:
+        raise ConfigError(
+            "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
+        )
+    train = load_prompts([data_path(p) for p in cfg.data.train_files], cfg.data.prompt_key)
+    if cfg.data.val_files:
+        val = load_prompts([data_path(p) for p in cfg.data.val_files], cfg.data.prompt_key)
+    else:
+        val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
+    return train, val
+
+
+def find_checkpoint(cfg: Config, run_dir: Path) -> Path | None:
+    resume = cfg.trainer.resume
+    if resume == "off":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir / "checkpoints") if run_dir.exists() else None
+    path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"trainer.resume={resume!r} does not exist: give a checkpoint directory, auto or off"
+        )
+    return path
+
+
+def reuse_rollout_log_probs(cfg: Config) -> bool:
+    """Whether PPO's old log-probs can be the rollout's own (see `algorithm.old_log_probs`).
+
+    The workers are colocated (the sampler is the trained module), so in `auto` the only thing that
+    changes the math between sampling and training is compilation: no-grad and training graphs are
+    compiled separately and round differently.
+    """
+    mode = cfg.algorithm.old_log_probs
+    return mode == "rollout" or (mode == "auto" and not cfg.model.compile)
+
+
+def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
+    """Run a training job; returns its run directory."""
+    cfg = load_config(source, overrides)
+    preset = resolve_source(source).stem
+    train_records, val_records = preflight(cfg)
+    run_name = cfg.trainer.run_name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.trainer.output_dir) / run_name
+    checkpoint = find_checkpoint(cfg, run_dir)
+    if checkpoint is None and cfg.trainer.resume == "off" and latest_checkpoint(run_dir / "checkpoints"):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints and trainer.resume=off: choose another trainer.run_name, "
+            "or trainer.resume=auto to continue it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    from diffrl.rewards.workers import create_reward_workers
+    from diffrl.telemetry import RunLogger
+    from diffrl.workers.group import InProcessGroup, RayGroup, ensure_ray
+    from diffrl.workers.roles import HybridWorker
+
+    world = cfg.world_size
+    use_ray = world > 1 or cfg.trainer.ray_address is not None
+    if use_ray:
+        # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
+        reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
+        ensure_ray(
+            cfg.trainer.ray_address,
+            num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
+        )
+        gpus = 1.0 if torch.cuda.is_available() else 0.0
+        workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus)
+    else:
+        workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True)
+    rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    try:
+        with RunLogger(
+            run_dir,
+            cfg.trainer.loggers,
+            total_steps=cfg.trainer.total_steps,
+            config=config_dict,
+            run_name=run_name,
+        ) as logger:
+            trainer = PolicyGradientTrainer(
+                cfg,
+                run_dir,
+                workers=workers,
+                rewards=rewards,
+                train_records=train_records,
+                val_records=val_records,
+                logger=logger,
+                reuse_rollout_log_probs=reuse_rollout_log_probs(cfg),
+            )
+            if checkpoint is not None:
+                trainer.resume(checkpoint)
+            final_validation = trainer.fit()
+            write_json(run_dir / "summary.json", {"steps": trainer.step, "validation": final_validation})
+    finally:
+        rewards.close()
+        workers.shutdown()
+    return run_dir

@@ -1,0 +1,170 @@
+"""End-to-end runs of `diffrl train` on CPU with the tiny SD3 (the whole loop, real components)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diffrl.cli import main
+from diffrl.telemetry import read_metrics as diffrl_read_metrics
+from diffrl.trainer.run import train
+
+SMALL = ["trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
+NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    return diffrl_read_metrics(run_dir / "metrics.jsonl")
+
+
+def comparable(row: dict) -> dict:
+    """Everything but wall-clock measurements."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(NOT_COMPARABLE) and "seconds" not in k and k != "step"
+    }
+
+
+def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    run_dir = train(
+        "tiny_sd3",
+        [
+            *SMALL,
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=e2e",
+            "trainer.n_gpus_per_node=2",
+            "actor.strategy=fsdp2",
+        ],
+    )
+    metrics = read_metrics(run_dir)
+    assert set(metrics) == {0, 1, 2}
+    for step in (1, 2):
+        for key in ("rewards/mean", "actor/loss", "actor/grad_norm", "advantages/max", "timing_s/gen"):
+            assert math.isfinite(metrics[step][key]), (step, key)
+        assert metrics[step]["throughput/images_per_s_per_gpu"] > 0
+    assert "val/rewards/mean" in metrics[0] and "val/rewards/mean" in metrics[2]
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "summary.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+    assert (run_dir / "validation" / "step_000002.png").is_file()
+
+
+def test_old_log_prob_reuse_agrees_with_forced_recompute(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    common = [
+        *SMALL,
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    reuse = read_metrics(train("tiny_sd3", [*common, "trainer.run_name=reuse"]))
+    recompute = read_metrics(
+        train("tiny_sd3", [*common, "trainer.run_name=recompute", "algorithm.old_log_probs=recompute"])
+    )
+    assert recompute[1]["rollout_correction/abs_logp_diff_max"] < 1e-4  # the reuse was valid
+    for step in (1, 2):
+        a, b = comparable(reuse[step]), comparable(recompute[step])
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key)
+
+
+def test_a_killed_run_resumes_exactly(tmp_path):
+    env = {**os.environ, "DIFFRL_CACHE": str(tmp_path / "cache")}
+    args = [
+        "tiny_sd3",
+        "trainer.total_steps=4",
+        "trainer.save_freq=2",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+    ]
+    full = train_subprocess([*args, f"trainer.output_dir={tmp_path}", "trainer.run_name=full"], env)
+    assert full.returncode == 0, full.stderr
+
+    killed_dir = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "diffrl.cli",
+        "train",
+        *args,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=killed",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and 3 not in _steps(killed_dir):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # after step 3, before step 4's checkpoint
+    proc.wait()
+    assert not (killed_dir / "checkpoints" / "step_00000004").exists()
+
+    resumed = train_subprocess([*args, f"trainer.output_dir={tmp_path}", "trainer.run_name=killed"], env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    expected, got = read_metrics(tmp_path / "full"), read_metrics(killed_dir)
+    for step in (3, 4):
+        assert comparable(got[step]) == pytest.approx(comparable(expected[step]), rel=1e-6, abs=1e-9), step
+
+
+def _steps(run_dir: Path) -> set[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return set()
+    return {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def train_subprocess(args, env):
+    return subprocess.run(
+        [sys.executable, "-m", "diffrl.cli", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.path=/nonexistent/model", "is not a directory"),
+        ("reward.functions.jpeg_compresibility.weight=1", "unknown reward 'jpeg_compresibility'"),
+        ("data.train_files=[/nonexistent/prompts.txt]", "prompt file not found: /nonexistent/prompts.txt"),
+        ("rollout.sde.noise_levle=1", "Did you mean 'noise_level'"),
+    ],
+)
+def test_bad_inputs_fail_before_anything_starts(tmp_path, capsys, override, message):
+    code = main(["train", "tiny_sd3", f"trainer.output_dir={tmp_path}", "trainer.run_name=bad", override])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # nothing half-written
+
+
+def test_bad_data_rows_name_the_line(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "a cat"}\n{"caption": "a dog"}\n')
+    code = main(
+        [
+            "train",
+            "tiny_sd3",
+            f"data.train_files=[{data}]",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=bad",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "prompts.jsonl:2: no prompt key" in err and "data.prompt_key=caption" in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_preset_typo(capsys):
+    assert main(["train", "tiny_sd4"]) == 2
+    assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
