@@ -104,6 +104,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
 
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
+    started_ray = False
     if use_ray:
         # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
         reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
@@ -142,4 +143,8 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     finally:
         rewards.close()
         workers.shutdown()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     return run_dir
