@@ -248,7 +248,7 @@ class PolicyGradientTrainer:
     def _flops(self, rollout: Rollout) -> dict[str, float]:
         """Model FLOPs of this step's phases, from the adapter's analytic count (via a worker)."""
         return self.workers.call(
-            "phase_flops", len(rollout), rollout.window_size, self.reuse_rollout_log_probs
+            "phase_flops", len(rollout), rollout.window_size, not self.reuse_rollout_log_probs
         )[0]
 
 
