@@ -85,10 +85,14 @@ class Rollout:
 
     def to(self, device: torch.device | str) -> Rollout:
         """The rollout with every tensor on `device` (a no-op for tensors already there)."""
+        return replace(self.to_samples_device(device), prompt_embeds=self.prompt_embeds.to(device))
+
+    def to_samples_device(self, device: torch.device | str) -> Rollout:
+        """Everything but the prompt table on `device` (callers moving many micro-batches that share
+        one table move it once)."""
         return replace(
             self,
             samples=self.samples.to(device),
-            prompt_embeds=self.prompt_embeds.to(device),
             sigmas=self.sigmas.to(device),
             timesteps=self.timesteps.to(device),
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +125,9 @@ class ActorWorker:
             adapter.compile_blocks()
 
     def forward_backward(self, micro_batches: Sequence[Rollout], window_steps: Sequence[int] | None = None):
-        device = self.engine.adapter.device
-        return self.engine.forward_backward([mb.to(device) for mb in micro_batches], window_steps)
+        return self.engine.forward_backward(
+            _to_device(micro_batches, self.engine.adapter.device), window_steps
+        )
 
     def optim_step(self) -> dict[str, float]:
         return self.engine.optim_step()
@@ -238,6 +240,18 @@ class HybridWorker(ActorWorker):
         if cfg.actor.loss.kl_coef > 0:
             flops["ref"] = forward * window
         return flops
+
+
+def _to_device(micro_batches: Sequence[Rollout], device: torch.device) -> list[Rollout]:
+    """Move micro-batches to `device`, copying a prompt table they share only once."""
+    tables: dict[int, Any] = {}
+    moved = []
+    for mb in micro_batches:
+        key = id(mb.prompt_embeds)
+        if key not in tables:
+            tables[key] = mb.prompt_embeds.to(device)
+        moved.append(replace(mb.to_samples_device(device), prompt_embeds=tables[key]))
+    return moved
 
 
 def _submitter(rewards: Any, prompts: Sequence[str], metadata: Sequence[dict], handles: list[Any]):
