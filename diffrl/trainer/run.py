@@ -108,7 +108,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     if use_ray:
         # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
         reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
-        ensure_ray(
+        started_ray = ensure_ray(
             cfg.trainer.ray_address,
             num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
         )

@@ -148,8 +148,7 @@ def check_overlap(group) -> None:
 
 # ------------------------------------------------------------------------------ before Ray starts
 def test_ensure_ray_and_ray_group_need_a_reachable_cluster():
-    if ray.is_initialized():
-        pytest.skip("another test module left Ray running")
+    assert not ray.is_initialized(), "an earlier test left Ray running: it must shut down what it starts"
     with pytest.raises(RuntimeError, match=r"RayGroup needs a running Ray: call diffrl.workers.ensure_ray"):
         RayGroup(Counter, 2)
     with socket.socket() as sock:  # a port nobody listens on
