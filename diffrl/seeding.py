@@ -11,11 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Stream tags, so two purposes sharing (seed, step) never share a stream.
-NOISE_STREAM = 0
-WINDOW_STREAM = 1
-DATA_STREAM = 2
-LORA_INIT_STREAM = 3
+# Stream tags, always the FIRST key: (stream, seed, ...). Two purposes can then never share a
+# stream, whatever their other keys are.
+NOISE_STREAM = 0  # (NOISE_STREAM, seed, step, sample): initial and SDE noise of one sample
+WINDOW_STREAM = 1  # (WINDOW_STREAM, seed, step): the SDE window start
+DATA_STREAM = 2  # (DATA_STREAM, seed, epoch): the prompt order of an epoch
+LORA_INIT_STREAM = 3  # (LORA_INIT_STREAM, seed, adapter index): LoRA initialisation
+SHUFFLE_STREAM = 4  # (SHUFFLE_STREAM, seed, step, epoch): mini-batch order
 
 
 def derive_seed(*keys: int) -> int:

@@ -47,7 +47,9 @@ class LoraConfig:
     target_modules: list[str] | None = None  # None = the model adapter's declared defaults
     init: str = "gaussian"  # peft's init_lora_weights
 
-    INITS = ("default", "gaussian", "pissa", "olora")
+    # Only inits that leave the base weights untouched: the reference policy is "adapters disabled",
+    # which pissa/olora (they subtract from the base weights) would silently change.
+    INITS = ("default", "gaussian")
 
     def validate(self, at: str) -> None:
         _require_at_least(f"{at}.rank", self.rank, 0)
@@ -434,6 +436,13 @@ class TrainerConfig:
     seed: int = 42
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+    def __post_init__(self) -> None:
+        # YAML 1.1 reads a bare `off` as false (and `on` as true); the key is a string.
+        if self.resume in ("False", "false"):
+            self.resume = "off"
+        elif self.resume in ("True", "true"):
+            self.resume = "auto"
 
     def validate(self, at: str) -> None:
         _require_at_least(f"{at}.total_steps", self.total_steps, 1)

@@ -2,7 +2,7 @@
 
 Order. Epoch e visits every record exactly once, in the order
 
-    numpy.random.default_rng(derive_seed(seed, e, DATA_STREAM)).permutation(len(records))
+    numpy.random.default_rng(derive_seed(DATA_STREAM, seed, e)).permutation(len(records))
 
 (file order when shuffle=False). The order of an epoch is a pure function of (seed, e), so nothing
 but the position in the stream, (epoch, position), needs saving to resume.
@@ -82,7 +82,7 @@ class PromptSampler(Generic[T]):
         n = len(self.records)
         if not self.shuffle:
             return np.arange(n)
-        return np.random.default_rng(derive_seed(self.seed, epoch, DATA_STREAM)).permutation(n)
+        return np.random.default_rng(derive_seed(DATA_STREAM, self.seed, epoch)).permutation(n)
 
     def next_batch(self) -> list[tuple[int, T]]:
         """The next `batch_size` (index, record) pairs."""

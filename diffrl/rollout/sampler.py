@@ -187,7 +187,7 @@ class TrajectorySampler:
             for start in range(0, total, micro):
                 rows = slice(start, min(start + micro, total))
                 gens = [
-                    generator(adapter.device, seed, step, int(i), NOISE_STREAM) for i in sample_index_B[rows]
+                    generator(adapter.device, NOISE_STREAM, seed, step, int(i)) for i in sample_index_B[rows]
                 ]
                 cond = prompt_embeds[prompt_index_B[rows].to(adapter.device)]
                 x = adapter.init_noise(gens, **size)

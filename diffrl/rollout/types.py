@@ -97,6 +97,14 @@ class Rollout:
             timesteps=self.timesteps.to(device),
         )
 
+    def compact(self) -> Rollout:
+        """A copy whose sample tensors own exactly their rows.
+
+        `select` returns views; pickling a view (Ray sends arguments pickled) writes its whole
+        underlying buffer, so a micro-batch sent as a view would carry the entire step's rollout.
+        """
+        return replace(self, samples=self.samples.clone())
+
     def sample_uids(self) -> list[str]:
         """The prompt uid of every sample, for grouping advantages."""
         return [self.uids[i] for i in self.samples.prompt_index_B.tolist()]

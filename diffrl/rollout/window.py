@@ -22,7 +22,7 @@ def window_start(
     if not 0 <= lo < hi or not 1 <= size <= hi - lo:
         raise ValueError(f"window of size {size} does not fit the range [{lo}, {hi})")
     if strategy == "random":
-        return int(numpy_rng(seed, step, WINDOW_STREAM).integers(lo, hi - size + 1))
+        return int(numpy_rng(WINDOW_STREAM, seed, step).integers(lo, hi - size + 1))
     if strategy == "progressive":
         return min(lo + (step // iters_per_group) * size, hi - size)
     raise ValueError(f"unknown window strategy {strategy!r}; choose random or progressive")

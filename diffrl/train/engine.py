@@ -71,7 +71,6 @@ class TrainEngine:
         total_optim_steps: int,
         with_old: bool = False,
         with_reference: bool | None = None,
-        reference_device: str | torch.device | None = None,
         seed: int = 0,
     ):
         self.adapter = adapter
@@ -97,10 +96,9 @@ class TrainEngine:
                 raise ValueError("an `old` policy needs LoRA adapters: set model.lora.rank > 0")
             transformer.requires_grad_(True)
             if with_reference if with_reference is not None else actor_cfg.loss.kl_coef > 0:
-                # A frozen copy of the base weights; on CPU it costs host memory instead of GPU memory.
+                # A frozen copy of the base weights, on the same device (ReferenceWorker puts one on
+                # its own GPU instead).
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
-                if reference_device is not None:
-                    self.reference.to(reference_device)
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if actor_cfg.strategy == "fsdp2" and torch.distributed.is_initialized():

@@ -32,7 +32,7 @@ def inject_lora(adapter: ModelAdapter, lora: LoraConfig, names: Sequence[str], s
     )
     for index, name in enumerate(names):
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(seed, LORA_INIT_STREAM, index))
+            torch.manual_seed(derive_seed(LORA_INIT_STREAM, seed, index))
             # peft warns when a second adapter joins the first: that is the point here.
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")
             try:

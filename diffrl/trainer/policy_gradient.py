@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,14 @@ import torch
 from diffrl.algos import advantage_metrics, get_advantage_estimator
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord, PromptSampler
+from diffrl.models.base import PromptEmbeds
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
-from diffrl.seeding import numpy_rng
+from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
 from diffrl.telemetry import PhaseTimer, RunLogger, image_grid, mfu_metrics, peak_flops, save_png
 from diffrl.train.engine import REFERENCE
 from diffrl.workers.group import WorkerGroup
 
-SHUFFLE_STREAM = 4  # mini-batch shuffling, keyed (seed, step, epoch, SHUFFLE_STREAM)
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
 
@@ -69,6 +69,7 @@ class PolicyGradientTrainer:
         self.reuse_rollout_log_probs = reuse_rollout_log_probs
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         self.step = 0
+        self.last_validation_step: int | None = None
         self.timer = PhaseTimer()
         self.peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
 
@@ -93,10 +94,11 @@ class PolicyGradientTrainer:
                 with self.timer.phase("validation"):
                     last_val = self.validate()
                 metrics.update(last_val)
+                metrics.update(self.timer.metrics(0, 1, only=("validation",)))
             if self.step == cfg.total_steps or (cfg.save_freq and self.step % cfg.save_freq == 0):
                 with self.timer.phase("checkpoint"):
                     self.save()
-                metrics.update(self.timer.metrics(0, 1, only=("checkpoint", "validation")))
+                metrics.update(self.timer.metrics(0, 1, only=("checkpoint",)))
             self.logger.log(self.step, metrics)
         return last_val
 
@@ -110,7 +112,6 @@ class PolicyGradientTrainer:
     def train_step(self) -> dict[str, float]:
         cfg, world = self.cfg, self.workers.size
         self.timer.reset()
-        start = time.perf_counter()
         batch = self.sampler.next_batch()
         records = [record for _, record in batch]
         uids = [f"{self.step}:{i}" for i in range(len(records))]
@@ -139,8 +140,6 @@ class PolicyGradientTrainer:
 
         images = len(rollout)
         metrics.update(self.timer.metrics(images, world))
-        metrics["timing_s/step"] = time.perf_counter() - start
-        metrics["throughput/images_per_s_per_gpu"] = images / metrics["timing_s/step"] / world
         if self.peak is not None:
             flops = self._flops(rollout)
             metrics.update(
@@ -187,7 +186,7 @@ class PolicyGradientTrainer:
         count = 0
         for epoch in range(cfg.actor.epochs):
             order = (
-                numpy_rng(cfg.trainer.seed, self.step, epoch, SHUFFLE_STREAM).permutation(groups)
+                numpy_rng(SHUFFLE_STREAM, cfg.trainer.seed, self.step, epoch).permutation(groups)
                 if cfg.actor.shuffle
                 else range(groups)
             )
@@ -195,7 +194,7 @@ class PolicyGradientTrainer:
             for start in range(0, len(samples), mini):
                 mini_batch = rollout.select(samples[start : start + mini])
                 shards = [
-                    [shard.select(slice(s, s + micro)) for s in range(0, len(shard), micro)]
+                    [shard.select(slice(s, s + micro)).compact() for s in range(0, len(shard), micro)]
                     for shard in split_even(mini_batch, self.workers.size)
                 ]
                 results = self.workers.scatter("forward_backward", shards)
@@ -203,7 +202,9 @@ class PolicyGradientTrainer:
                 for key, value in {**results[0], **step_metrics}.items():
                     sums[f"actor/{key}"] += value
                 count += 1
-        return {key: value / count for key, value in sums.items()}
+        means = {key: value / count for key, value in sums.items()}
+        means["actor/skipped_steps"] = step_metrics["skipped_steps"]  # a running count, not an average
+        return means
 
     # ------------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -238,6 +239,7 @@ class PolicyGradientTrainer:
         for source in sorted(set(sources)):
             mask = torch.tensor([s == source for s in sources])
             metrics[f"val/{source}/reward_mean"] = float(scores.total_B[mask].mean())
+        self.last_validation_step = self.step
         pixels = rollout.samples.pixels
         grid = image_grid(pixels[:64], nrow=min(8, len(pixels)))
         path = self.run_dir / "validation" / f"step_{self.step:06d}.png"
@@ -263,7 +265,7 @@ def _negatives(records: Sequence[PromptRecord], default: str) -> list[str] | Non
 def split_even(rollout: Rollout, parts: int) -> list[Rollout]:
     """`parts` consecutive, equal slices (the config guarantees divisibility)."""
     size = len(rollout) // parts
-    return [rollout.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
+    return [rollout.select(slice(i * size, (i + 1) * size)).compact() for i in range(parts)]
 
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
@@ -281,8 +283,6 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         s.prompt_index_B = s.prompt_index_B + offset
         samples.append(s)
     embeds = _cat_prompt_embeds([r.prompt_embeds for r in rollouts])
-    from dataclasses import replace
-
     return replace(
         first,
         samples=torch.cat(samples),
@@ -294,15 +294,42 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     )
 
 
-def _cat_prompt_embeds(parts):
-    """Concatenate prompt tables whose text lengths may differ (Qwen-Image): pad to the longest."""
-    length = max(p.embeds.shape[1] for p in parts)
-    if all(p.embeds.shape[1] == length for p in parts):
-        return torch.cat(parts)
-    raise ValueError(
-        "workers returned prompt embeddings of different lengths; pad them to one length "
-        "(rollout.pipeline.max_sequence_length) before joining"
-    )
+def _cat_prompt_embeds(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
+    """Concatenate prompt tables whose text lengths may differ: each worker pads its own prompts to
+    their longest (Qwen-Image), so right-pad with zeros to the longest overall and extend the masks
+    with zeros (padded keys are masked out, so the model computes the same thing)."""
+    lengths = {p.embeds.shape[1] for p in parts} | {
+        p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None
+    }
+    if len(lengths) == 1:
+        return torch.cat(list(parts))
+    if any(p.mask is None for p in parts):
+        raise ValueError(
+            f"workers returned prompt embeddings of different text lengths {sorted(lengths)} without "
+            "attention masks: this family must pad every prompt to rollout.pipeline.max_sequence_length"
+        )
+    length = max(lengths)
+    padded = []
+    for p in parts:
+        negative = p.negative_embeds is not None
+        padded.append(
+            PromptEmbeds(
+                embeds=_pad_tokens(p.embeds, length),
+                mask=_pad_tokens(p.mask, length),
+                pooled=p.pooled,
+                negative_embeds=_pad_tokens(p.negative_embeds, length) if negative else None,
+                negative_mask=_pad_tokens(p.negative_mask, length) if negative else None,
+                negative_pooled=p.negative_pooled,
+                batch_size=p.batch_size,
+            )
+        )
+    return torch.cat(padded)
+
+
+def _pad_tokens(values: torch.Tensor, length: int) -> torch.Tensor:
+    """Right-pad dim 1 (tokens) with zeros to `length`."""
+    pad = [0, 0] * (values.dim() - 2) + [0, length - values.shape[1]]
+    return torch.nn.functional.pad(values, pad)
 
 
 def write_json(path: Path, payload: dict) -> None:

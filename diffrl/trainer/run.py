@@ -44,6 +44,7 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
         raise ConfigError(
             f"algorithm.trainer_type={cfg.algorithm.trainer_type!r} is not available yet: use policy_gradient"
         )
+    _reject_planned_keys(cfg)
     if not cfg.data.train_files:
         raise ConfigError(
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
@@ -54,6 +55,30 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     else:
         val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
     return train, val
+
+
+def _reject_planned_keys(cfg: Config) -> None:
+    """Keys the schema already has but `diffrl train` does not implement yet: a changed value must
+    not be silently ignored."""
+    defaults = Config()
+    planned = {
+        "algorithm.sample_source": (cfg.algorithm.sample_source, defaults.algorithm.sample_source),
+        "algorithm.timestep_fraction": (
+            cfg.algorithm.timestep_fraction,
+            defaults.algorithm.timestep_fraction,
+        ),
+        "algorithm.old_policy": (cfg.algorithm.old_policy, defaults.algorithm.old_policy),
+        "algorithm.rollout_correction": (
+            cfg.algorithm.rollout_correction,
+            defaults.algorithm.rollout_correction,
+        ),
+        "actor.optimizer_offload": (cfg.actor.optimizer_offload, defaults.actor.optimizer_offload),
+    }
+    for key, (value, default) in planned.items():
+        if value != default:
+            raise ConfigError(
+                f"{key}={value!r} is not implemented by diffrl train yet: leave it at its default ({default!r})"
+            )
 
 
 def find_checkpoint(cfg: Config, run_dir: Path) -> Path | None:
@@ -104,21 +129,21 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
 
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
-    started_ray = False
-    if use_ray:
-        # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
-        reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
-        started_ray = ensure_ray(
-            cfg.trainer.ray_address,
-            num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
-        )
-        gpus = 1.0 if torch.cuda.is_available() else 0.0
-        workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus)
-    else:
-        workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True)
-    rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
+    started_ray, workers, rewards = False, None, None
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    try:
+    try:  # everything started from here on is stopped in `finally`, even if starting it failed
+        if use_ray:
+            # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
+            reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
+            started_ray = ensure_ray(
+                cfg.trainer.ray_address,
+                num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
+            )
+            gpus = 1.0 if torch.cuda.is_available() else 0.0
+            workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus)
+        else:
+            workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True)
+        rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
         with RunLogger(
             run_dir,
             cfg.trainer.loggers,
@@ -139,10 +164,19 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             if checkpoint is not None:
                 trainer.resume(checkpoint)
             final_validation = trainer.fit()
-            write_json(run_dir / "summary.json", {"steps": trainer.step, "validation": final_validation})
+            write_json(
+                run_dir / "summary.json",
+                {
+                    "steps": trainer.step,
+                    "validation_step": trainer.last_validation_step,
+                    "validation": final_validation,
+                },
+            )
     finally:
-        rewards.close()
-        workers.shutdown()
+        if rewards is not None:
+            rewards.close()
+        if workers is not None:
+            workers.shutdown()
         if started_ray:
             import ray
 

@@ -257,3 +257,21 @@ def test_printed_config_is_complete_and_reloadable(tmp_path):
     # every schema section and key appears in the printout
     for section in dataclasses.fields(Config):
         assert f"{section.name}:\n" in text
+
+
+def test_resume_off_survives_yaml_booleans(tmp_path):
+    # YAML 1.1 reads a bare `off` as false; the key still means "off".
+    assert load_config("default", ["trainer.resume=off"]).trainer.resume == "off"
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  resume: off\n")
+    assert load_config(str(path)).trainer.resume == "off"
+    assert load_config(
+        "default", ["trainer.resume=/runs/x/checkpoints/step_00000002"]
+    ).trainer.resume.endswith("2")
+
+
+def test_lora_inits_that_rewrite_the_base_weights_are_refused():
+    with pytest.raises(
+        ConfigError, match=r"model\.lora\.init='pissa' is invalid: must be one of 'default', 'gaussian'"
+    ):
+        load_config("default", ["model.lora.init=pissa"])

@@ -32,7 +32,7 @@ def test_every_record_once_per_epoch_in_the_documented_order():
     for epoch in range(3):
         order = flat[epoch * 10 : (epoch + 1) * 10]
         assert sorted(order) == list(range(10))
-        expected = np.random.default_rng(derive_seed(3, epoch, DATA_STREAM)).permutation(10)
+        expected = np.random.default_rng(derive_seed(DATA_STREAM, 3, epoch)).permutation(10)
         assert order == expected.tolist()
     assert flat[:10] != flat[10:20] != flat[20:30]  # epochs differ
     assert sampler.state_dict() == {"epoch": 3, "position": 0, "num_records": 10}

@@ -55,7 +55,7 @@ def test_validation_rollout_matches_the_diffusers_pipeline(tiny_model, family, o
         setattr(cfg.pipeline, key, value)
     rollout = TrajectorySampler(adapter, cfg, progress=False).sample_validation(PROMPTS[:2])
     # The pipeline gets the same initial noise: sample i of a validation rollout is keyed (val.seed, 0, i).
-    gens = [generator("cpu", cfg.val.seed, 0, i, NOISE_STREAM) for i in range(2)]
+    gens = [generator("cpu", NOISE_STREAM, cfg.val.seed, 0, i) for i in range(2)]
     noise = adapter.init_noise(gens, 32, 32, cfg.pipeline.num_frames)
     out = adapter.pipe(
         prompt=PROMPTS[:2],
@@ -125,7 +125,7 @@ def test_steps_outside_the_window_are_ode(sd3):
     cfg = rollout_cfg(window_size=1, window_range=[5, 6])
     rollout = TrajectorySampler(sd3, cfg, progress=False).sample(PROMPTS[:1], seed=2, step=0)
     assert rollout.step_indices.tolist() == [5]
-    x = sd3.init_noise([generator("cpu", 2, 0, i, NOISE_STREAM) for i in range(4)], 32, 32)
+    x = sd3.init_noise([generator("cpu", NOISE_STREAM, 2, 0, i) for i in range(4)], 32, 32)
     schedule = sd3.schedule(6, 32, 32)
     cond = rollout.sample_cond()
     with torch.no_grad():

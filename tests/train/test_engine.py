@@ -92,12 +92,13 @@ def test_flow_grpo_steps_raise_positive_and_lower_negative_samples(tiny_model):
 
 
 def test_micro_batch_split_accumulates_the_same_gradient(tiny_model):
-    engine, sampler = make(tiny_model, clip_ratio=0.5)
-    perturb_lora(engine)
+    engine, sampler = make(tiny_model, clip_ratio=1e-5)
     rollout = sampler.sample(PROMPTS, seed=2, step=0)
     rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
-    # perturb the policy so ratios differ from 1 and the clip matters
+    perturb_lora(engine, scale=0.05)  # after sampling: ratios leave 1 and the clip is active
     whole = rollout.select(slice(0, 4))
+    assert 0 < engine.forward_backward([whole])["clipfrac"] < 1
+    engine.optimizer.zero_grad()
     engine.forward_backward([whole])
     grads_whole = [p.grad.clone() for p in engine.params]
     engine.optimizer.zero_grad()

@@ -54,6 +54,12 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "summary.json").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
     assert (run_dir / "validation" / "step_000002.png").is_file()
+    # Sharding must not change what is sampled or how it is scored: one worker, same step-1 numbers.
+    single = read_metrics(
+        train("tiny_sd3", [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=single"])
+    )
+    for key in [k for k in single[1] if k.startswith(("rewards/", "advantages/")) and "seconds" not in k]:
+        assert metrics[1][key] == pytest.approx(single[1][key], rel=1e-6), key
 
 
 def test_old_log_prob_reuse_agrees_with_forced_recompute(tmp_path, monkeypatch):
@@ -168,3 +174,25 @@ def test_bad_data_rows_name_the_line(tmp_path, capsys):
 def test_preset_typo(capsys):
     assert main(["train", "tiny_sd4"]) == 2
     assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "algorithm.timestep_fraction=0.5",
+            r"algorithm\.timestep_fraction=0\.5 is not implemented by diffrl train yet",
+        ),
+        (
+            "algorithm.rollout_correction.is_level=step",
+            r"algorithm\.rollout_correction=.* is not implemented",
+        ),
+        ("actor.optimizer_offload=true", r"actor\.optimizer_offload=True is not implemented"),
+    ],
+)
+def test_planned_keys_are_rejected_not_ignored(tmp_path, override, message):
+    from diffrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        train("tiny_sd3", [f"trainer.output_dir={tmp_path}", "trainer.run_name=x", override])
+    assert not (tmp_path / "x").exists()
