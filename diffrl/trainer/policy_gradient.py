@@ -38,6 +38,7 @@ from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
 from diffrl.telemetry import PhaseTimer, RunLogger, image_grid, mfu_metrics, peak_flops, save_png
 from diffrl.train.engine import REFERENCE
 from diffrl.workers.group import WorkerGroup
+from diffrl.workers.roles import PromptShard
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -156,18 +157,15 @@ class PolicyGradientTrainer:
         world = self.workers.size
         per_worker = len(records) // world
         n = self.cfg.rollout.n
-        shards = []
-        for rank in range(world):
-            part = records[rank * per_worker : (rank + 1) * per_worker]
-            shards.append(
-                {
-                    "prompts": [r.prompt for r in part],
-                    "uids": list(uids[rank * per_worker : (rank + 1) * per_worker]),
-                    "metadata": [dict(r.metadata) for r in part],
-                    "negative_prompts": _negatives(part, self.cfg.rollout.pipeline.negative_prompt),
-                    "sample_offset": rank * per_worker * n,
-                }
+        shards = [
+            _shard(
+                records[rank * per_worker : (rank + 1) * per_worker],
+                uids[rank * per_worker :],
+                rank * per_worker * n,
+                self.cfg.rollout.pipeline.negative_prompt,
             )
+            for rank in range(world)
+        ]
         rollouts = self.workers.scatter(
             "sample_and_score", shards, seed=self.cfg.rollout_seed, step=self.step, rewards=self.rewards
         )
@@ -216,18 +214,15 @@ class PolicyGradientTrainer:
         per_worker = math.ceil(len(records) / world)
         padded = [records[i % len(records)] for i in range(per_worker * world)]
         negative = self.cfg.rollout.pipeline.negative_prompt
-        payloads = []
-        for rank in range(world):
-            shard = padded[rank * per_worker : (rank + 1) * per_worker]
-            payloads.append(
-                {
-                    "prompts": [r.prompt for r in shard],
-                    "uids": [f"val:{rank * per_worker + i}" for i in range(len(shard))],
-                    "metadata": [dict(r.metadata) for r in shard],
-                    "negative_prompts": _negatives(shard, negative),
-                    "sample_offset": rank * per_worker * n,
-                }
+        payloads = [
+            _shard(
+                padded[rank * per_worker : (rank + 1) * per_worker],
+                [f"val:{i}" for i in range(rank * per_worker, (rank + 1) * per_worker)],
+                rank * per_worker * n,
+                negative,
             )
+            for rank in range(world)
+        ]
         rollouts = self.workers.scatter("validate_and_score", payloads, rewards=self.rewards)
         rollout = concat_rollouts(rollouts)
         handles = rollout.extras.pop("reward_handles")
@@ -260,6 +255,18 @@ def _negatives(records: Sequence[PromptRecord], default: str) -> list[str] | Non
     if not any(r.negative_prompt for r in records):
         return None
     return [r.negative_prompt or default for r in records]
+
+
+def _shard(
+    records: Sequence[PromptRecord], uids: Sequence[str], sample_offset: int, negative: str
+) -> PromptShard:
+    return PromptShard(
+        prompts=[r.prompt for r in records],
+        uids=list(uids[: len(records)]),
+        metadata=[dict(r.metadata) for r in records],
+        negative_prompts=_negatives(records, negative),
+        sample_offset=sample_offset,
+    )
 
 
 def split_even(rollout: Rollout, parts: int) -> list[Rollout]:

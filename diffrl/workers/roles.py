@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,18 @@ from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.rollout.types import Rollout
 from diffrl.train.engine import POLICY, REFERENCE, TrainEngine
 from diffrl.train.lora import inject_lora
+
+
+@dataclass(frozen=True)
+class PromptShard:
+    """One worker's share of a step's prompts. `sample_offset` is the step-wide index of its first
+    sample: sample indices key the noise, so they stay global however the prompts are split."""
+
+    prompts: list[str]
+    uids: list[str]
+    metadata: list[dict[str, Any]]
+    negative_prompts: list[str] | None
+    sample_offset: int
 
 
 def worker_device() -> torch.device:
@@ -173,41 +185,40 @@ class HybridWorker(ActorWorker):
     def sample_validation(self, prompts: Sequence[str], **kwargs) -> Rollout:
         return self.rollout.sample_validation(prompts, **kwargs)
 
-    def sample_and_score(self, shard: dict[str, Any], *, seed: int, step: int, rewards: Any) -> Rollout:
+    def sample_and_score(self, shard: PromptShard, *, seed: int, step: int, rewards: Any) -> Rollout:
         """Sample a shard of prompts; each decoded micro-batch goes to `rewards.submit` at once.
 
         The rollout comes back on the CPU with the reward handles in `extras["reward_handles"]`,
         in sample order, for the controller to gather.
         """
         handles: list[Any] = []
-        on_decoded = _submitter(rewards, shard["prompts"], shard["metadata"], handles)
         with torch.no_grad():
             rollout = self.rollout.sampler.sample(
-                shard["prompts"],
+                shard.prompts,
                 seed=seed,
                 step=step,
-                uids=shard["uids"],
-                metadata=shard["metadata"],
-                negative_prompts=shard["negative_prompts"],
-                on_decoded=on_decoded,
-                sample_offset=shard["sample_offset"],
+                uids=shard.uids,
+                metadata=shard.metadata,
+                negative_prompts=shard.negative_prompts,
+                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
+                sample_offset=shard.sample_offset,
             )
         self._text_len = rollout.prompt_embeds.embeds.shape[1]
         rollout = rollout.to("cpu")
         rollout.extras["reward_handles"] = handles
         return rollout
 
-    def validate_and_score(self, shard: dict[str, Any], *, rewards: Any) -> Rollout:
+    def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
         """`sample_validation` of a shard of prompts, scored."""
         rollout = self.rollout.sampler.sample_validation(
-            shard["prompts"],
-            uids=shard["uids"],
-            metadata=shard["metadata"],
-            negative_prompts=shard["negative_prompts"],
-            sample_offset=shard["sample_offset"],
+            shard.prompts,
+            uids=shard.uids,
+            metadata=shard.metadata,
+            negative_prompts=shard.negative_prompts,
+            sample_offset=shard.sample_offset,
         ).to("cpu")
         handles: list[Any] = []
-        _submitter(rewards, shard["prompts"], shard["metadata"], handles)(rollout.samples)
+        _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
         rollout.extras["reward_handles"] = handles
         return rollout
 
@@ -287,4 +298,12 @@ class ReferenceWorker:
         return torch.cat(chunks).cpu()
 
 
-__all__ = ["REFERENCE", "ActorWorker", "HybridWorker", "ReferenceWorker", "RolloutWorker", "worker_device"]
+__all__ = [
+    "REFERENCE",
+    "ActorWorker",
+    "HybridWorker",
+    "PromptShard",
+    "ReferenceWorker",
+    "RolloutWorker",
+    "worker_device",
+]
