@@ -36,7 +36,7 @@ from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
 from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
 from diffrl.telemetry import PhaseTimer, RunLogger, image_grid, mfu_metrics, peak_flops, save_png
-from diffrl.train.engine import REFERENCE
+from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.workers.group import WorkerGroup
 from diffrl.workers.roles import PromptShard
 
@@ -128,7 +128,7 @@ class PolicyGradientTrainer:
 
         if not self.reuse_rollout_log_probs:
             with self.timer.phase("old_log_prob"):
-                rollout.samples.old_log_probs_BW = self._log_probs(rollout, "default")[0]
+                rollout.samples.old_log_probs_BW = self._log_probs(rollout, POLICY)[0]
             gap = (rollout.samples.old_log_probs_BW - rollout.samples.log_probs_BW).abs()
             metrics["rollout_correction/abs_logp_diff_mean"] = float(gap.mean())
             metrics["rollout_correction/abs_logp_diff_max"] = float(gap.max())
