@@ -38,6 +38,7 @@ from typing import ClassVar
 import torch
 
 from diffrl.models.base import ModelAdapter, PromptEmbeds, to_uint8
+from diffrl.models.tiny import tiny_kl_vae
 
 # FLUX.1-dev's scheduler/scheduler_config.json (FLUX.1-schnell: no dynamic shift, shift 1.0).
 FLUX_DEV_SCHEDULER_CONFIG = {
@@ -264,7 +265,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     and `T5EncoderModel` text encoders with tokenizers built locally, and FLUX.1-dev's scheduler
     config. 32x32 images give 4 image tokens, 64x64 give 16.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from diffrl.models import tiny_text
@@ -299,21 +300,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
                 **tiny_text.text_encoder_ids(t5_tok),
             )
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=16,
-            norm_num_groups=4,
-            sample_size=64,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = tiny_kl_vae(scaling_factor=0.3611, shift_factor=0.1159)
         transformer = FluxTransformer2DModel(
             patch_size=1,
             in_channels=64,

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from diffrl.models.base import ModelAdapter, PromptEmbeds, to_uint8
+from diffrl.models.tiny import tiny_kl_vae
 
 # CombinedTimestepTextProjEmbeddings embeds the timestep with a 256-channel sinusoid (fixed in diffusers).
 _TIMESTEP_PROJ_CHANNELS = 256
@@ -244,7 +245,6 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     tokenizers of `diffrl.models.tiny_text`, and SD3.5's scheduler config (flow-match Euler, shift 3).
     """
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -307,21 +307,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
             dual_attention_layers=(0,),
             qk_norm="rms_norm",
         ).eval()
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=16,
-            norm_num_groups=4,
-            sample_size=64,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ).eval()
+        vae = tiny_kl_vae(scaling_factor=1.5305, shift_factor=0.0609).eval()
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
         pipe = StableDiffusion3Pipeline(
             transformer=transformer,

@@ -19,6 +19,28 @@ TINY_BUILDERS: dict[str, str] = {
 }
 
 
+def tiny_kl_vae(scaling_factor: float, shift_factor: float):
+    """A 4-level `AutoencoderKL` with 16 latent channels and 8x downsampling, like the SD3 and FLUX
+    VAEs, at a few thousand parameters; the families differ only in their latent scale and shift."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
 def build_tiny(family: str, path: str | Path, seed: int = 0) -> Path:
     """Write a tiny random `family` pipeline to `path` and return it."""
     if family not in TINY_BUILDERS:
