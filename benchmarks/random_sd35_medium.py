@@ -24,7 +24,7 @@ from diffusers import (
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout import SD3_VAE, SD35_MEDIUM
+from rollout import SD3_VAE, transformer_config
 
 from diffrl.models.tiny_text import clip_tokenizer, t5_tokenizer, text_encoder_ids
 
@@ -50,8 +50,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=24, help="fewer transformer layers for a CPU smoke run")
     args = parser.parse_args()
-    config = {**SD35_MEDIUM, "num_layers": args.layers}
-    config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < args.layers)
+    config = transformer_config(args.layers)
     torch.manual_seed(0)
     tok_clip, tok_t5 = clip_tokenizer(), t5_tokenizer()
     t5_ids = text_encoder_ids(tok_t5)

@@ -86,6 +86,32 @@ class RandomTextSD3Adapter(SD3Adapter):
         )
 
 
+def transformer_config(layers: int = 24) -> dict:
+    """SD3.5-Medium's transformer config, optionally with fewer layers (CPU smoke runs)."""
+    config = {**SD35_MEDIUM, "num_layers": layers}
+    config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < layers)
+    return config
+
+
+def random_sd35_adapter(layers: int, device: torch.device, dtype: torch.dtype) -> RandomTextSD3Adapter:
+    """SD3.5-Medium-sized transformer and the SD3 VAE with random weights (seed 0: identical on every
+    rank), no text encoders, wrapped in the SD3 adapter with random text embeddings."""
+    torch.manual_seed(0)
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(**transformer_config(layers)),
+        vae=AutoencoderKL(**SD3_VAE),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    ).to(device, dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return RandomTextSD3Adapter(pipe, device, dtype)
+
+
 def cuda_time(fn):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -128,22 +154,9 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU, or smoke-test with --device cpu --layers 1 --size 64")
 
-    torch.manual_seed(0)
-    config = {**SD35_MEDIUM, "num_layers": args.layers}
-    config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < args.layers)
-    pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(**config),
-        vae=AutoencoderKL(**SD3_VAE),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    ).to(device, dtype)
-    pipe.set_progress_bar_config(disable=True)
-    adapter = RandomTextSD3Adapter(pipe, device, dtype)
+    adapter = random_sd35_adapter(args.layers, device, dtype)
+    pipe = adapter.pipe
+    config = transformer_config(args.layers)
     size, steps, prompts_n = args.size, args.steps, args.images // args.n
     prompts = [f"prompt {i}" for i in range(prompts_n)]
     images = prompts_n * args.n

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout import SD3_VAE, SD35_MEDIUM, TEXT_TOKENS, RandomTextSD3Adapter
+from rollout import TEXT_TOKENS, random_sd35_adapter
 
 from diffrl.config.schema import (
     ActorConfig,
@@ -63,13 +63,6 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
     args = parser.parse_args()
 
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if args.fsdp:
@@ -83,22 +76,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
-    torch.manual_seed(0)  # identical random weights on every rank
-    config = {**SD35_MEDIUM, "num_layers": args.layers}
-    config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < args.layers)
-    pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(**config),
-        vae=AutoencoderKL(**SD3_VAE),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    ).to(device, dtype)
-    pipe.set_progress_bar_config(disable=True)
-    adapter = RandomTextSD3Adapter(pipe, device, dtype)
+    adapter = random_sd35_adapter(args.layers, device, dtype)  # identical random weights on every rank
     size = args.size
     rollout_cfg = RolloutConfig(
         n=args.n,
