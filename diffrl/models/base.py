@@ -66,6 +66,8 @@ class ModelAdapter(ABC):
     default_lora_target_modules: ClassVar[tuple[str, ...]]
     #: True for video families: pixels come out as [B, T, 3, H, W].
     is_video: ClassVar[bool] = False
+    #: How error messages name the latent layout `velocity` expects.
+    latent_layout: ClassVar[str] = "the latent layout"
     #: Components loaded in a dtype of their own instead of `model.dtype` (e.g. Wan's VAE in fp32).
     component_dtypes: ClassVar[dict[str, torch.dtype]] = {}
 
@@ -187,6 +189,28 @@ class ModelAdapter(ABC):
         Qwen-Image with norm rescale), None = off; families without it raise when it is set.
         Differentiable: the trainer calls it with grad enabled.
         """
+
+    def _velocity_inputs(
+        self, latents: torch.Tensor, timestep_B, cond: PromptEmbeds, height: int, width: int, num_frames: int
+    ) -> torch.Tensor:
+        """Check that latents, timesteps and conditioning rows line up (one of each per sample);
+        returns the timesteps as fp32 [B] on the adapter's device (a scalar is broadcast)."""
+        batch = latents.shape[0]
+        expected = tuple(self.latent_shape(height, width, num_frames))
+        if tuple(latents.shape[1:]) != expected:
+            raise ValueError(
+                f"latents shape {tuple(latents.shape)} is not {self.latent_layout} "
+                f"[B, {', '.join(map(str, expected))}] for {height}x{width}, {num_frames} frame(s)"
+            )
+        timestep_B = torch.as_tensor(timestep_B, device=self.device, dtype=torch.float32)
+        if timestep_B.ndim == 0:
+            timestep_B = timestep_B.expand(batch)
+        if cond.batch_size[0] != batch or timestep_B.shape != (batch,):
+            raise ValueError(
+                f"velocity got {batch} latents, {cond.batch_size[0]} conditioning rows and timesteps of shape "
+                f"{tuple(timestep_B.shape)}: pass one conditioning row and one timestep per sample"
+            )
+        return timestep_B
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:

@@ -57,6 +57,7 @@ class FluxAdapter(ModelAdapter):
 
     pipeline_class_name: ClassVar[str] = "FluxPipeline"
     schedule_convention: ClassVar[str] = "flux"
+    latent_layout: ClassVar[str] = "the packed FLUX layout"
     block_class_names: ClassVar[tuple[str, ...]] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     # Flow-GRPO's FLUX LoRA targets (scripts/train_flux.py). peft matches by name suffix, so the
     # attn.to_q/k/v entries also adapt the single-stream blocks' attention projections; the
@@ -151,17 +152,7 @@ class FluxAdapter(ModelAdapter):
         run as one forward of 2B and combine as v_u + s·(v_c − v_u) in fp32 (the pipeline's true CFG,
         which it runs as two calls). Otherwise one conditional pass (v_u + 1·(v_c − v_u) = v_c).
         """
-        batch = latents.shape[0]
-        if latents.shape[1:] != self.latent_shape(height, width, num_frames):
-            raise ValueError(
-                f"latents shape {tuple(latents.shape)} is not the packed FLUX layout "
-                f"[B, {', '.join(map(str, self.latent_shape(height, width, num_frames)))}] for {height}x{width}"
-            )
-        if cond.batch_size[0] != batch or timestep_B.shape != (batch,):
-            raise ValueError(
-                f"need one cond row and one timestep per sample: latents B={batch}, "
-                f"cond rows={cond.batch_size[0]}, timestep_B shape={tuple(timestep_B.shape)}"
-            )
+        timestep_B = self._velocity_inputs(latents, timestep_B, cond, height, width, num_frames)
         do_cfg = cond.has_negative and self.wants_negative(guidance_scale, true_cfg_scale)
 
         hidden = latents.to(self.device, self.dtype)

@@ -62,6 +62,7 @@ class QwenImageAdapter(ModelAdapter):
 
     pipeline_class_name = "QwenImagePipeline"
     schedule_convention = "qwen_image"
+    latent_layout = "the packed Qwen-Image layout"
     block_class_names = ("QwenImageTransformerBlock",)
     # Both streams' attention projections and MLPs: the Qwen-Image Flow-GRPO LoRA recipe (VeRL-Omni).
     default_lora_target_modules = (
@@ -202,11 +203,8 @@ class QwenImageAdapter(ModelAdapter):
     ) -> torch.Tensor:
         """fp32 velocity [B, N, 64]; true CFG with norm rescale when `true_cfg_scale` > 1 (module docstring)."""
         h, w = self._latent_hw(height, width, num_frames)
+        timestep_B = self._velocity_inputs(latents, timestep_B, cond, height, width, num_frames)
         batch = latents.shape[0]
-        if cond.batch_size[0] != batch:
-            raise ValueError(
-                f"cond has {cond.batch_size[0]} rows for {batch} latents: pass one row per sample"
-            )
         hidden_states = latents.to(self.device, self.dtype)
         timestep = torch.as_tensor(timestep_B, device=self.device).to(self.dtype).expand(batch)
         do_cfg = cond.has_negative and self.wants_negative(guidance_scale, true_cfg_scale)

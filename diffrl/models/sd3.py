@@ -139,23 +139,7 @@ class SD3Adapter(ModelAdapter):
     ) -> torch.Tensor:
         """One step of the pipeline's denoising loop: the transformer call, then standard CFG."""
         self._require_no_true_cfg(true_cfg_scale)
-        batch = latents.shape[0]
-        if tuple(latents.shape[1:]) != self.latent_shape(height, width, num_frames):
-            raise ValueError(
-                f"latents shape {tuple(latents.shape)} is not [B, *{self.latent_shape(height, width, num_frames)}] "
-                f"for {height}x{width}"
-            )
-        if cond.batch_size[0] != batch:
-            raise ValueError(
-                f"cond has {cond.batch_size[0]} rows for {batch} latents: gather one row per sample"
-            )
-        timestep_B = torch.as_tensor(timestep_B, device=self.device, dtype=torch.float32)
-        if timestep_B.ndim == 0:
-            timestep_B = timestep_B.expand(batch)
-        if timestep_B.shape != (batch,):
-            raise ValueError(
-                f"timestep_B must be [B={batch}] (or a scalar); got shape {tuple(timestep_B.shape)}"
-            )
+        timestep_B = self._velocity_inputs(latents, timestep_B, cond, height, width, num_frames)
 
         x = latents.to(self.device, self.dtype)
         embeds, pooled = cond.embeds, cond.pooled

@@ -145,12 +145,7 @@ class WanAdapter(ModelAdapter):
         true_cfg_scale: float | None = None,
     ) -> torch.Tensor:
         self._require_no_true_cfg(true_cfg_scale)
-        batch = latents.shape[0]
-        if cond.batch_size[0] != batch or timestep_B.shape != (batch,):
-            raise ValueError(
-                f"velocity got latents for {batch} samples, {cond.batch_size[0]} conditioning rows and "
-                f"timesteps of shape {tuple(timestep_B.shape)}: pass one row and one timestep per sample"
-            )
+        timestep_B = self._velocity_inputs(latents, timestep_B, cond, height, width, num_frames)
         hidden = latents.to(self.device, self.dtype)
         timestep = self._model_timestep(timestep_B, latents)
         embeds = cond.embeds.to(self.device, self.dtype)
