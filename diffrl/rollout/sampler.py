@@ -268,6 +268,20 @@ def _stack_or_empty(values: list[torch.Tensor], batch: int) -> torch.Tensor:
     return torch.stack(values, dim=1) if values else torch.zeros(batch, 0)
 
 
+@torch.no_grad()
+def evaluate_window(
+    adapter: ModelAdapter, rollout: Rollout, micro_batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_probs_BW, means [B, W, ...]) of every window step, micro-batch by micro-batch, no grad."""
+    log_probs, means = [], []
+    for start in range(0, len(rollout), micro_batch_size):
+        mb = rollout.select(slice(start, start + micro_batch_size))
+        outs = [evaluate_step(adapter, mb, j) for j in range(rollout.window_size)]
+        log_probs.append(torch.stack([o.log_prob_B for o in outs], dim=1))
+        means.append(torch.stack([o.mean for o in outs], dim=1))
+    return torch.cat(log_probs), torch.cat(means)
+
+
 def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOut:
     """Re-evaluate window step j of `rollout`'s samples with the adapter's current weights.
 

@@ -32,7 +32,7 @@ from diffusers.training_utils import cast_training_params
 from diffrl.algos import LossInputs, get_loss
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter
-from diffrl.rollout.sampler import evaluate_step
+from diffrl.rollout.sampler import evaluate_step, evaluate_window
 from diffrl.rollout.types import Rollout
 from diffrl.train.lora import inject_lora
 
@@ -256,15 +256,8 @@ class TrainEngine:
     @torch.no_grad()
     def log_probs(self, rollout: Rollout, policy: str = POLICY, micro_batch_size: int | None = None):
         """(log_probs_BW, means [B, W, ...]) of the rollout's window steps under `policy`, no grad."""
-        size = micro_batch_size or self.cfg.micro_batch_size
-        log_probs, means = [], []
         with self.use_policy(policy):
-            for start in range(0, len(rollout), size):
-                mb = rollout.select(slice(start, start + size))
-                outs = [evaluate_step(self.adapter, mb, j) for j in range(rollout.window_size)]
-                log_probs.append(torch.stack([o.log_prob_B for o in outs], dim=1))
-                means.append(torch.stack([o.mean for o in outs], dim=1))
-        return torch.cat(log_probs), torch.cat(means)
+            return evaluate_window(self.adapter, rollout, micro_batch_size or self.cfg.micro_batch_size)
 
     # ------------------------------------------------------------------------------ state
     def save(self, root: str | Path, step: int, extra: dict, keep_last: int) -> Path:

@@ -286,16 +286,9 @@ class ReferenceWorker:
     @torch.no_grad()
     def means(self, rollout: Rollout) -> torch.Tensor:
         """The reference SDE means [B, W, ...] of the rollout's window steps."""
-        from diffrl.rollout.sampler import evaluate_step
+        from diffrl.rollout.sampler import evaluate_window
 
-        rollout = rollout.to(self.adapter.device)
-        chunks = []
-        for start in range(0, len(rollout), self.micro_batch_size):
-            mb = rollout.select(slice(start, start + self.micro_batch_size))
-            chunks.append(
-                torch.stack([evaluate_step(self.adapter, mb, j).mean for j in range(mb.window_size)], 1)
-            )
-        return torch.cat(chunks).cpu()
+        return evaluate_window(self.adapter, rollout.to(self.adapter.device), self.micro_batch_size)[1].cpu()
 
 
 __all__ = [
