@@ -18,6 +18,9 @@ WINDOW_STREAM = 1  # (WINDOW_STREAM, seed, step): the SDE window start
 DATA_STREAM = 2  # (DATA_STREAM, seed, epoch): the prompt order of an epoch
 LORA_INIT_STREAM = 3  # (LORA_INIT_STREAM, seed, adapter index): LoRA initialisation
 SHUFFLE_STREAM = 4  # (SHUFFLE_STREAM, seed, step, epoch): mini-batch order
+SFT_STREAM = (
+    5  # (SFT_STREAM, seed, step, sample): noise level, noise, prompt dropout and rendering of one SFT sample
+)
 
 
 def derive_seed(*keys: int) -> int:

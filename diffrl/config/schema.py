@@ -418,6 +418,30 @@ class DataConfig:
             _require_at_least(f"{at}.seed", self.seed, 0)
 
 
+# ----------------------------------------------------------------------------------------- sft
+@dataclass
+class SftConfig:
+    """`diffrl sft`: supervised flow matching on (image, prompt) pairs; one image per data row per step."""
+
+    images: str = "image"  # the column with each row's image file (relative to its data file), or "shapes"
+    weighting_scheme: str = "logit_normal"  # how training noise levels are drawn (diffusers' SD3 schemes)
+    logit_mean: float = 0.0  # logit_normal: mean of the logit of the noise level
+    logit_std: float = 1.0  # logit_normal: its std
+    mode_scale: float = 1.29  # mode: the scale of the mode-sampling density
+    prompt_dropout: float = 0.1  # probability of training a sample on the empty prompt (what CFG needs)
+
+    # diffusers.training_utils.compute_density_for_timestep_sampling / compute_loss_weighting_for_sd3.
+    WEIGHTING_SCHEMES = ("logit_normal", "mode", "uniform", "sigma_sqrt", "cosmap")
+
+    def validate(self, at: str) -> None:
+        _require(bool(self.images), f"{at}.images", self.images, "must name an image column, or be 'shapes'")
+        _require_choice(f"{at}.weighting_scheme", self.weighting_scheme, self.WEIGHTING_SCHEMES)
+        _require_positive(f"{at}.logit_std", self.logit_std)
+        _require(
+            0.0 <= self.prompt_dropout < 1.0, f"{at}.prompt_dropout", self.prompt_dropout, "must be in [0, 1)"
+        )
+
+
 # ------------------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerConfig:
@@ -467,6 +491,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
     def validate(self) -> Config:
         """Check every section, then the rules that span sections; returns self."""

@@ -79,8 +79,19 @@ class ModelAdapter(ABC):
     @classmethod
     def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
         """Load with diffusers' own `from_pretrained`, local files only (nothing from a hub)."""
+        import json
+        from pathlib import Path
+
         dtypes = {"default": dtype, **cls.component_dtypes}
-        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtypes, local_files_only=True)
+        # A component saved as [null, null] (the toy model's VAE and T5) must be passed as None
+        # explicitly: diffusers refuses to load a pipeline with a required component missing.
+        index = json.loads((Path(path) / "model_index.json").read_text())
+        absent = {
+            name: None
+            for name, spec in index.items()
+            if not name.startswith("_") and isinstance(spec, list) and spec[0] is None
+        }
+        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtypes, local_files_only=True, **absent)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         return cls(pipe, device, dtype)
@@ -215,6 +226,14 @@ class ModelAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """Final latents -> uint8 pixels [B, 3, H, W] (images) or [B, T, 3, H, W] (videos), no grad."""
+
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """uint8 images [B, 3, H, W] -> fp32 latents in the layout `velocity` consumes (the inverse of
+        `decode`), for supervised flow matching (`diffrl sft`). Families without it raise."""
+        raise ValueError(
+            f"{type(self).__name__} cannot encode images yet, so `diffrl sft` does not support it; "
+            "supervised fine-tuning supports the SD3 family (including the pixel-space toy model)"
+        )
 
     # ------------------------------------------------------------------------------ facts
     @abstractmethod

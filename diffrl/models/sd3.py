@@ -16,6 +16,11 @@ What the pipeline does, and so what this adapter does through the pipeline's own
 - Decode: latents / vae.scaling_factor + vae.shift_factor -> `vae.decode` -> uint8 (the
   pipeline's postprocess, rounding as diffusers does).
 
+Pixel space: a pipeline saved without a VAE (model_index.json `"vae": [null, null]`, as the
+shapes world's toy model) generates pixels directly: latents are images in [-1, 1] with the
+transformer's `in_channels` (3), and decode is the identity followed by the usual uint8 rounding.
+The pipeline class, transformer and text encoders are unchanged, so it runs the same code path.
+
 Schedule convention "sd3": `scheduler.set_timesteps(N)` with the checkpoint's static shift (3.0).
 
 LoRA targets are Flow-GRPO's SD3 recipe (scripts/train_sd3.py): the joint attention's image- and
@@ -102,17 +107,28 @@ class SD3Adapter(ModelAdapter):
         )
 
     # ------------------------------------------------------------------------------ latents
+    @property
+    def pixel_space(self) -> bool:
+        """True for a pipeline without a VAE: the transformer denoises pixels."""
+        return getattr(self.pipe, "vae", None) is None
+
+    @property
+    def vae_scale_factor(self) -> int:
+        # The pipeline reports 8 when it has no VAE; pixel space has no downsampling at all.
+        return 1 if self.pixel_space else self.pipe.vae_scale_factor
+
     def _latent_hw(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
         if num_frames != 1:
             raise ValueError(f"SD3 generates images: num_frames must be 1; got {num_frames}")
-        multiple = self.pipe.vae_scale_factor * self.transformer.config.patch_size
+        factor = self.vae_scale_factor
+        multiple = factor * self.transformer.config.patch_size
         if height < multiple or width < multiple or height % multiple or width % multiple:
             raise ValueError(
                 f"SD3 needs height and width divisible by {multiple} (VAE factor "
-                f"{self.pipe.vae_scale_factor} x patch {self.transformer.config.patch_size}); "
+                f"{factor} x patch {self.transformer.config.patch_size}); "
                 f"got {height}x{width}"
             )
-        return height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor
+        return height // factor, width // factor
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """[16, H/8, W/8]: the VAE latent as the transformer takes it (no packing)."""
@@ -164,11 +180,32 @@ class SD3Adapter(ModelAdapter):
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """uint8 [B, 3, H, W], as the pipeline decodes its final latents."""
+        if self.pixel_space:
+            return to_uint8(latents)
         vae = self.pipe.vae
         with torch.no_grad():
             z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
             images = vae.decode(z, return_dict=False)[0]
         return to_uint8(images)
+
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """uint8 images [B, 3, H, W] -> fp32 latents, the inverse of `decode` (supervised training).
+
+        With a VAE: a sample of the encoder's posterior (its mode without a generator), shifted and
+        scaled as the SD3 training scripts do, `(z - shift_factor) * scaling_factor`.
+        """
+        if pixels.dtype != torch.uint8 or pixels.ndim != 4 or pixels.shape[1] != 3:
+            raise ValueError(
+                f"encode takes uint8 images [B, 3, H, W]; got {pixels.dtype} {tuple(pixels.shape)}"
+            )
+        images = pixels.to(self.device, torch.float32) / 127.5 - 1.0
+        if self.pixel_space:
+            return images
+        vae = self.pipe.vae
+        with torch.no_grad():
+            posterior = vae.encode(images.to(vae.dtype)).latent_dist
+            z = posterior.mode() if generator is None else posterior.sample(generator)
+        return ((z.float() - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
     # ------------------------------------------------------------------------------ facts
     def flops_per_forward(

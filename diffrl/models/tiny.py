@@ -16,6 +16,7 @@ TINY_BUILDERS: dict[str, str] = {
     "flux": "diffrl.models.flux",
     "qwen_image": "diffrl.models.qwen_image",
     "wan": "diffrl.models.wan",
+    "toy": "diffrl.toy.model",  # the shapes world's model, untrained (`diffrl sft` trains it)
 }
 
 

@@ -24,21 +24,42 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from diffusers.training_utils import cast_training_params
 
 from diffrl.algos import LossInputs, get_loss
+from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
-from diffrl.models.base import ModelAdapter
+from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.rollout.sampler import evaluate_step, evaluate_window
 from diffrl.rollout.types import Rollout
 from diffrl.train.lora import inject_lora
 
 POLICY = "default"
+# Model timesteps are 1000·σ in every flow-matching family diffrl supports (Schedule.timesteps).
+NUM_TRAIN_TIMESTEPS = 1000.0
 OLD = "old"
 REFERENCE = "reference"
+
+
+@dataclass
+class FlowMatchingBatch:
+    """One micro-batch of supervised flow matching: B clean samples with their noise and level.
+
+    latents / noise: fp32 [B, ...] in the adapter's latent layout; sigmas_B: (B,) noise levels in
+    (0, 1]; cond: one conditioning row per sample (the empty prompt for dropped-out prompts).
+    """
+
+    latents: torch.Tensor
+    noise: torch.Tensor
+    sigmas_B: torch.Tensor
+    cond: PromptEmbeds
+    height: int
+    width: int
+    num_frames: int = 1
 
 
 def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int):
@@ -234,6 +255,28 @@ class TrainEngine:
                 for key, value in metrics.items():
                     sums[key] += value
         return self._reduce({key: value / terms for key, value in sums.items()})
+
+    def flow_matching_backward(
+        self, micro_batches: Sequence[FlowMatchingBatch], weighting_scheme: str
+    ) -> dict[str, float]:
+        """Accumulate the supervised flow-matching gradient (`diffrl sft`) of one optimizer step.
+
+        Each micro-batch holds clean latents, noise, noise levels and one conditioning row per
+        sample; the loss of `diffrl.algos.flow_matching` is averaged over the micro-batches.
+        """
+        if not micro_batches:
+            raise ValueError("flow_matching_backward needs at least one micro-batch")
+        total = 0.0
+        for index, mb in enumerate(micro_batches):
+            self._sync_gradients(index == len(micro_batches) - 1)
+            noisy = interpolate(mb.latents, mb.noise, mb.sigmas_B)
+            velocity = self.adapter.velocity(
+                noisy, mb.sigmas_B * NUM_TRAIN_TIMESTEPS, mb.cond, 1.0, mb.height, mb.width, mb.num_frames
+            )
+            loss = flow_matching_loss(velocity, mb.latents, mb.noise, mb.sigmas_B, weighting_scheme)
+            (loss / len(micro_batches)).backward()
+            total += float(loss.detach())
+        return self._reduce({"loss": total / len(micro_batches)})
 
     def optim_step(self) -> dict[str, float]:
         """Clip, then step, unless the gradient norm is not finite: then skip, count and log it."""

@@ -18,11 +18,8 @@ The driver owns the loop and calls workers explicitly; one step reads top to bot
 
 from __future__ import annotations
 
-import json
-import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +28,14 @@ import torch
 from diffrl.algos import advantage_metrics, get_advantage_estimator
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord, PromptSampler
-from diffrl.models.base import PromptEmbeds
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
 from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
-from diffrl.telemetry import PhaseTimer, RunLogger, image_grid, mfu_metrics, peak_flops, save_png
+from diffrl.telemetry import PhaseTimer, RunLogger, mfu_metrics, peak_flops
 from diffrl.train.engine import POLICY, REFERENCE
+from diffrl.trainer.sharding import concat_rollouts, prompt_shard, split_even
+from diffrl.trainer.validation import run_validation
 from diffrl.workers.group import WorkerGroup
-from diffrl.workers.roles import PromptShard
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -158,7 +155,7 @@ class PolicyGradientTrainer:
         per_worker = len(records) // world
         n = self.cfg.rollout.n
         shards = [
-            _shard(
+            prompt_shard(
                 records[rank * per_worker : (rank + 1) * per_worker],
                 uids[rank * per_worker :],
                 rank * per_worker * n,
@@ -207,39 +204,10 @@ class PolicyGradientTrainer:
     # ------------------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid."""
-        records, world, n = self.val_records, self.workers.size, self.cfg.rollout.val.n
-        # Every worker must run the same number of forwards (FSDP gathers weights collectively), so
-        # the prompt list is padded to a multiple of the workers by repeating it; the padding is
-        # dropped from the result.
-        per_worker = math.ceil(len(records) / world)
-        padded = [records[i % len(records)] for i in range(per_worker * world)]
-        negative = self.cfg.rollout.pipeline.negative_prompt
-        payloads = [
-            _shard(
-                padded[rank * per_worker : (rank + 1) * per_worker],
-                [f"val:{i}" for i in range(rank * per_worker, (rank + 1) * per_worker)],
-                rank * per_worker * n,
-                negative,
-            )
-            for rank in range(world)
-        ]
-        rollouts = self.workers.scatter("validate_and_score", payloads, rewards=self.rewards)
-        rollout = concat_rollouts(rollouts)
-        handles = rollout.extras.pop("reward_handles")
-        keep = len(records) * n
-        rollout = rollout.select(slice(0, keep))
-        scores = gather_rewards(handles).select(slice(0, keep))
-        metrics = {f"val/{key}": value for key, value in scores.metrics(rollout.sample_uids()).items()}
-        sources = [m.get("data_source", "default") for m in rollout.sample_metadata()]
-        for source in sorted(set(sources)):
-            mask = torch.tensor([s == source for s in sources])
-            metrics[f"val/{source}/reward_mean"] = float(scores.total_B[mask].mean())
+        metrics = run_validation(
+            self.cfg, self.workers, self.rewards, self.val_records, self.run_dir, self.step, self.logger
+        )
         self.last_validation_step = self.step
-        pixels = rollout.samples.pixels
-        grid = image_grid(pixels[:64], nrow=min(8, len(pixels)))
-        path = self.run_dir / "validation" / f"step_{self.step:06d}.png"
-        save_png(path, grid)
-        self.logger.log_images(self.step, "val/samples", grid)
         return metrics
 
     def _flops(self, rollout: Rollout) -> dict[str, float]:
@@ -247,100 +215,3 @@ class PolicyGradientTrainer:
         return self.workers.call(
             "phase_flops", len(rollout), rollout.window_size, not self.reuse_rollout_log_probs
         )[0]
-
-
-# ------------------------------------------------------------------------------ helpers
-def _negatives(records: Sequence[PromptRecord], default: str) -> list[str] | None:
-    """Per-prompt negatives when any row has one; None lets the sampler apply the configured default."""
-    if not any(r.negative_prompt for r in records):
-        return None
-    return [r.negative_prompt or default for r in records]
-
-
-def _shard(
-    records: Sequence[PromptRecord], uids: Sequence[str], sample_offset: int, negative: str
-) -> PromptShard:
-    return PromptShard(
-        prompts=[r.prompt for r in records],
-        uids=list(uids[: len(records)]),
-        metadata=[dict(r.metadata) for r in records],
-        negative_prompts=_negatives(records, negative),
-        sample_offset=sample_offset,
-    )
-
-
-def split_even(rollout: Rollout, parts: int) -> list[Rollout]:
-    """`parts` consecutive, equal slices (the config guarantees divisibility)."""
-    size = len(rollout) // parts
-    return [rollout.select(slice(i * size, (i + 1) * size)).compact() for i in range(parts)]
-
-
-def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
-    """Join workers' rollouts of the same step: samples, prompt tables (re-indexed), reward handles."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    first = rollouts[0]
-    offsets, total = [], 0
-    for r in rollouts:
-        offsets.append(total)
-        total += len(r.prompts)
-    samples = []
-    for r, offset in zip(rollouts, offsets, strict=True):
-        s = r.samples.clone()
-        s.prompt_index_B = s.prompt_index_B + offset
-        samples.append(s)
-    embeds = _cat_prompt_embeds([r.prompt_embeds for r in rollouts])
-    return replace(
-        first,
-        samples=torch.cat(samples),
-        prompt_embeds=embeds,
-        prompts=[p for r in rollouts for p in r.prompts],
-        uids=[u for r in rollouts for u in r.uids],
-        metadata=[m for r in rollouts for m in r.metadata],
-        extras={"reward_handles": [h for r in rollouts for h in r.extras.get("reward_handles", [])]},
-    )
-
-
-def _cat_prompt_embeds(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
-    """Concatenate prompt tables whose text lengths may differ: each worker pads its own prompts to
-    their longest (Qwen-Image), so right-pad with zeros to the longest overall and extend the masks
-    with zeros (padded keys are masked out, so the model computes the same thing)."""
-    lengths = {p.embeds.shape[1] for p in parts} | {
-        p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None
-    }
-    if len(lengths) == 1:
-        return torch.cat(list(parts))
-    if any(p.mask is None for p in parts):
-        raise ValueError(
-            f"workers returned prompt embeddings of different text lengths {sorted(lengths)} without "
-            "attention masks: this family must pad every prompt to rollout.pipeline.max_sequence_length"
-        )
-    length = max(lengths)
-    padded = []
-    for p in parts:
-        negative = p.negative_embeds is not None
-        padded.append(
-            PromptEmbeds(
-                embeds=_pad_tokens(p.embeds, length),
-                mask=_pad_tokens(p.mask, length),
-                pooled=p.pooled,
-                negative_embeds=_pad_tokens(p.negative_embeds, length) if negative else None,
-                negative_mask=_pad_tokens(p.negative_mask, length) if negative else None,
-                negative_pooled=p.negative_pooled,
-                batch_size=p.batch_size,
-            )
-        )
-    return torch.cat(padded)
-
-
-def _pad_tokens(values: torch.Tensor, length: int) -> torch.Tensor:
-    """Right-pad dim 1 (tokens) with zeros to `length`."""
-    pad = [0, 0] * (values.dim() - 2) + [0, length - values.shape[1]]
-    return torch.nn.functional.pad(values, pad)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """Atomically: a crash never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)

@@ -8,8 +8,10 @@ cannot start.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -21,7 +23,9 @@ from diffrl.data import PromptRecord, load_prompts
 from diffrl.models import read_model_index
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint
-from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer, write_json
+from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
+from diffrl.trainer.sharding import write_json
+from diffrl.workers.group import WorkerGroup
 
 BUILTIN_DATA = Path(__file__).resolve().parents[1] / "config" / "presets" / "data"
 
@@ -33,18 +37,14 @@ def data_path(path: str) -> str:
     return path
 
 
-def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Every check that needs no model and no Ray; returns the train and validation prompts."""
+def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """The checks every job needs before any model or Ray starts: loggers, model directory,
+    rewards, data files; returns the train and validation prompts."""
     from diffrl.telemetry import check_loggers
 
     check_loggers(cfg.trainer.loggers)
     read_model_index(cfg.model.path)
     reward_specs(cfg.reward.functions)
-    if cfg.algorithm.trainer_type != "policy_gradient":
-        raise ConfigError(
-            f"algorithm.trainer_type={cfg.algorithm.trainer_type!r} is not available yet: use policy_gradient"
-        )
-    _reject_planned_keys(cfg)
     if not cfg.data.train_files:
         raise ConfigError(
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
@@ -55,6 +55,16 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     else:
         val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
     return train, val
+
+
+def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
+    if cfg.algorithm.trainer_type != "policy_gradient":
+        raise ConfigError(
+            f"algorithm.trainer_type={cfg.algorithm.trainer_type!r} is not available yet: use policy_gradient"
+        )
+    _reject_planned_keys(cfg)
+    return preflight_common(cfg)
 
 
 def _reject_planned_keys(cfg: Config) -> None:
@@ -106,32 +116,19 @@ def reuse_rollout_log_probs(cfg: Config) -> bool:
     return mode == "rollout" or (mode == "auto" and not cfg.model.compile)
 
 
-def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
-    """Run a training job; returns its run directory."""
-    cfg = load_config(source, overrides)
-    preset = resolve_source(source).stem
-    train_records, val_records = preflight(cfg)
-    run_name = cfg.trainer.run_name or f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.trainer.output_dir) / run_name
-    checkpoint = find_checkpoint(cfg, run_dir)
-    if checkpoint is None and cfg.trainer.resume == "off" and latest_checkpoint(run_dir / "checkpoints"):
-        raise ConfigError(
-            f"{run_dir} already holds checkpoints and trainer.resume=off: choose another trainer.run_name, "
-            "or trainer.resume=auto to continue it"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-
+@contextmanager
+def worker_session(cfg: Config, worker_cls: type | None = None) -> Iterator[tuple[WorkerGroup, Any]]:
+    """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
+    exit, also when starting one of them failed."""
     from diffrl.rewards.workers import create_reward_workers
-    from diffrl.telemetry import RunLogger
     from diffrl.workers.group import InProcessGroup, RayGroup, ensure_ray
     from diffrl.workers.roles import HybridWorker
 
+    worker_cls = worker_cls or HybridWorker
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
     started_ray, workers, rewards = False, None, None
-    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    try:  # everything started from here on is stopped in `finally`, even if starting it failed
+    try:
         if use_ray:
             # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
             reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
@@ -140,38 +137,11 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
                 num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
             )
             gpus = 1.0 if torch.cuda.is_available() else 0.0
-            workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus)
+            workers = RayGroup(worker_cls, world, cfg, num_cpus=1.0, num_gpus=gpus)
         else:
-            workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True)
+            workers = InProcessGroup(worker_cls, 1, cfg, synchronous=True)
         rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
-        with RunLogger(
-            run_dir,
-            cfg.trainer.loggers,
-            total_steps=cfg.trainer.total_steps,
-            config=config_dict,
-            run_name=run_name,
-        ) as logger:
-            trainer = PolicyGradientTrainer(
-                cfg,
-                run_dir,
-                workers=workers,
-                rewards=rewards,
-                train_records=train_records,
-                val_records=val_records,
-                logger=logger,
-                reuse_rollout_log_probs=reuse_rollout_log_probs(cfg),
-            )
-            if checkpoint is not None:
-                trainer.resume(checkpoint)
-            final_validation = trainer.fit()
-            write_json(
-                run_dir / "summary.json",
-                {
-                    "steps": trainer.step,
-                    "validation_step": trainer.last_validation_step,
-                    "validation": final_validation,
-                },
-            )
+        yield workers, rewards
     finally:
         if rewards is not None:
             rewards.close()
@@ -181,4 +151,61 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             import ray
 
             ray.shutdown()
+
+
+def prepare_run(cfg: Config, source: str | None) -> tuple[Path, str, Path | None]:
+    """The run directory (created, with the resolved config.yaml), its name, and the checkpoint to
+    resume from (None for a fresh run)."""
+    run_name = cfg.trainer.run_name or f"{resolve_source(source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.trainer.output_dir) / run_name
+    checkpoint = find_checkpoint(cfg, run_dir)
+    if checkpoint is None and cfg.trainer.resume == "off" and latest_checkpoint(run_dir / "checkpoints"):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints and trainer.resume=off: choose another trainer.run_name, "
+            "or trainer.resume=auto to continue it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir, run_name, checkpoint
+
+
+def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
+    """Run a training job; returns its run directory."""
+    cfg = load_config(source, overrides)
+    train_records, val_records = preflight(cfg)
+    run_dir, run_name, checkpoint = prepare_run(cfg, source)
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    from diffrl.telemetry import RunLogger
+
+    with (
+        worker_session(cfg) as (workers, rewards),
+        RunLogger(
+            run_dir,
+            cfg.trainer.loggers,
+            total_steps=cfg.trainer.total_steps,
+            config=config_dict,
+            run_name=run_name,
+        ) as logger,
+    ):
+        trainer = PolicyGradientTrainer(
+            cfg,
+            run_dir,
+            workers=workers,
+            rewards=rewards,
+            train_records=train_records,
+            val_records=val_records,
+            logger=logger,
+            reuse_rollout_log_probs=reuse_rollout_log_probs(cfg),
+        )
+        if checkpoint is not None:
+            trainer.resume(checkpoint)
+        final_validation = trainer.fit()
+        write_json(
+            run_dir / "summary.json",
+            {
+                "steps": trainer.step,
+                "validation_step": trainer.last_validation_step,
+                "validation": final_validation,
+            },
+        )
     return run_dir

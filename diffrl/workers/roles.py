@@ -41,6 +41,20 @@ class PromptShard:
     sample_offset: int
 
 
+@dataclass(frozen=True)
+class ImageShard:
+    """One worker's share of a supervised step: B images with their prompts. `sample_offset` is the
+    step-wide index of its first image, keying the per-sample noise like `PromptShard`'s."""
+
+    prompts: list[str]
+    pixels: torch.Tensor  # uint8 [B, 3, H, W]
+    sample_offset: int
+
+
+# Prompt embeddings kept per worker for supervised training; a dataset's prompts repeat every epoch.
+_PROMPT_CACHE_SIZE = 4096
+
+
 def worker_device() -> torch.device:
     """This process's device: its GPU (cuda:0 under Ray, cuda:LOCAL_RANK under torchrun) or the CPU."""
     from diffrl.train.distributed import device_for_rank
@@ -140,6 +154,99 @@ class ActorWorker:
         return self.engine.forward_backward(
             _to_device(micro_batches, self.engine.adapter.device), window_steps
         )
+
+    def flow_matching_backward(self, shard: ImageShard, *, seed: int, step: int) -> dict[str, float]:
+        """Accumulate the supervised flow-matching gradient of a shard of images (`diffrl sft`).
+
+        Per image, from its own generator (SFT_STREAM, seed, step, sample): prompt dropout (train on
+        the empty prompt with probability `sft.prompt_dropout`), the noise level and the noise.
+        """
+        from diffrl.algos.flow_matching import sample_sigmas
+        from diffrl.seeding import SFT_STREAM, generator
+        from diffrl.train.engine import FlowMatchingBatch
+
+        cfg, sft, adapter = self.cfg, self.cfg.sft, self.engine.adapter
+        height, width = int(shard.pixels.shape[-2]), int(shard.pixels.shape[-1])
+        gens = [
+            generator("cpu", SFT_STREAM, seed, step, shard.sample_offset + i)
+            for i in range(len(shard.prompts))
+        ]
+        dropped = [bool(torch.rand((), generator=g) < sft.prompt_dropout) for g in gens]
+        sigmas_B = sample_sigmas(
+            self._training_sigmas(), gens, sft.weighting_scheme, sft.logit_mean, sft.logit_std, sft.mode_scale
+        ).to(adapter.device)
+        latents = adapter.encode(shard.pixels)
+        noise = torch.cat(
+            [torch.randn((1, *latents.shape[1:]), generator=g, dtype=torch.float32) for g in gens]
+        ).to(adapter.device)
+        cond = self._prompt_embeds(
+            ["" if drop else p for p, drop in zip(shard.prompts, dropped, strict=True)]
+        )
+        micro = cfg.actor.micro_batch_size
+        batches = [
+            FlowMatchingBatch(
+                latents[s : s + micro],
+                noise[s : s + micro],
+                sigmas_B[s : s + micro],
+                cond[s : s + micro],
+                height,
+                width,
+            )
+            for s in range(0, len(latents), micro)
+        ]
+        metrics = self.engine.flow_matching_backward(batches, sft.weighting_scheme)
+        metrics["prompt_dropout_frac"] = sum(dropped) / len(dropped)
+        return metrics
+
+    def _training_sigmas(self) -> torch.Tensor:
+        """The scheduler's training sigmas (shift applied), as the diffusers training scripts use them."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if not hasattr(self, "_sigmas"):
+            self._sigmas = FlowMatchEulerDiscreteScheduler.from_config(
+                self.engine.adapter.scheduler_config
+            ).sigmas
+        return self._sigmas
+
+    def _prompt_embeds(self, prompts: Sequence[str]):
+        """One conditioning row per prompt; each distinct prompt is encoded once and cached."""
+        cache: dict[str, Any] = self.__dict__.setdefault("_prompt_cache", {})
+        missing = list(dict.fromkeys(p for p in prompts if p not in cache))
+        if missing:
+            if len(cache) + len(missing) > _PROMPT_CACHE_SIZE:
+                cache.clear()
+            encoded = self.engine.adapter.encode_prompts(
+                missing, None, max_sequence_length=self.cfg.rollout.pipeline.max_sequence_length
+            )
+            for i, prompt in enumerate(missing):
+                cache[prompt] = encoded[i : i + 1]
+        return torch.cat([cache[p] for p in prompts])
+
+    def export_pipeline(self, out_dir: str) -> str:
+        """The whole pipeline with the trained transformer (LoRA merged in) as a diffusers directory.
+
+        The transformer goes through `export_full` (it gathers FSDP shards); rank 0 then writes the
+        other components as loaded and the source directory's model_index.json.
+        """
+        import shutil
+
+        from diffrl.models import resolve_model_path
+        from diffrl.train.export import export_full
+
+        out = Path(out_dir)
+        staging = out.with_name(out.name + ".partial")
+        export_full(self.engine.transformer, staging / "transformer", merge=self.engine.lora)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            for name, component in self.engine.adapter.pipe.components.items():
+                if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
+                    component.save_pretrained(staging / name)
+            shutil.copy(
+                resolve_model_path(self.cfg.model.path) / "model_index.json", staging / "model_index.json"
+            )
+            if out.exists():
+                shutil.rmtree(out)
+            staging.rename(out)  # atomic: a crash leaves only the .partial directory
+        return str(out)
 
     def optim_step(self) -> dict[str, float]:
         return self.engine.optim_step()

@@ -3,7 +3,7 @@ import torch
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
 from diffrl.models import load_model
 from diffrl.rollout import TrajectorySampler, evaluate_step
-from diffrl.trainer.policy_gradient import concat_rollouts
+from diffrl.trainer.sharding import concat_rollouts
 
 
 def test_joining_workers_rollouts_with_different_text_lengths_keeps_every_samples_math(tiny_model):

@@ -1,0 +1,75 @@
+"""Validation shared by every loop (`diffrl train`, `diffrl sft`, `diffrl eval`).
+
+ODE samples of the validation prompts with the fixed validation seed, scored by the configured
+rewards: overall reward metrics, the reward mean and every scalar reward extra (the shapes
+verifier's `accuracy`, an OCR distance, ...) per data source, and an image grid. The same seeds at
+every call, so the grids of two validations of a run show the same prompts from the same noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffrl.config.schema import Config
+from diffrl.data import PromptRecord
+from diffrl.rewards.workers import gather as gather_rewards
+from diffrl.telemetry import image_grid, save_png
+from diffrl.trainer.sharding import concat_rollouts, prompt_shard
+from diffrl.workers.group import WorkerGroup
+
+GRID_IMAGES = 64
+
+
+def run_validation(
+    cfg: Config,
+    workers: WorkerGroup,
+    rewards: Any,
+    records: Sequence[PromptRecord],
+    out_dir: Path,
+    step: int,
+    logger: Any = None,
+) -> dict[str, float]:
+    """Validate on `records`; writes `out_dir/validation/step_XXXXXX.png`; returns `val/...` metrics."""
+    world, n = workers.size, cfg.rollout.val.n
+    # Every worker must run the same number of forwards (FSDP gathers weights collectively), so
+    # the prompt list is padded to a multiple of the workers by repeating it; the padding is
+    # dropped from the result.
+    per_worker = math.ceil(len(records) / world)
+    padded = [records[i % len(records)] for i in range(per_worker * world)]
+    negative = cfg.rollout.pipeline.negative_prompt
+    payloads = [
+        prompt_shard(
+            padded[rank * per_worker : (rank + 1) * per_worker],
+            [f"val:{i}" for i in range(rank * per_worker, (rank + 1) * per_worker)],
+            rank * per_worker * n,
+            negative,
+        )
+        for rank in range(world)
+    ]
+    rollout = concat_rollouts(workers.scatter("validate_and_score", payloads, rewards=rewards))
+    handles = rollout.extras.pop("reward_handles")
+    keep = len(records) * n
+    rollout = rollout.select(slice(0, keep))
+    scores = gather_rewards(handles).select(slice(0, keep))
+    metrics = {f"val/{key}": value for key, value in scores.metrics(rollout.sample_uids()).items()}
+    sources = [m.get("data_source", "default") for m in rollout.sample_metadata()]
+    scalar_extras = {key: value for key, value in scores.extras.items() if value.ndim == 1}
+    for source in sorted(set(sources)):
+        mask = torch.tensor([s == source for s in sources])
+        metrics[f"val/{source}/reward_mean"] = float(scores.total_B[mask].mean())
+        for key, value in scalar_extras.items():
+            metrics[f"val/{source}/{key.rsplit('/', 1)[-1]}"] = float(value[mask].float().nanmean())
+    pixels = rollout.samples.pixels
+    grid = image_grid(pixels[:GRID_IMAGES], nrow=min(8, len(pixels)))
+    save_png(Path(out_dir) / "validation" / f"step_{step:06d}.png", grid)
+    if logger is not None:
+        logger.log_images(step, "val/samples", grid)
+    return metrics
+
+
+__all__ = ["run_validation"]
