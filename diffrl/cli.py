@@ -17,6 +17,8 @@ examples:
   diffrl config                                    the default preset, fully resolved
   diffrl config default rollout.sde.noise_level=0.8 actor.optim.lr=1e-4
   diffrl config my_run.yaml trainer.total_steps=10 a YAML file of overrides instead of a preset
+  diffrl eval runs/default-20261122-101500         held-out accuracy of a run's newest checkpoint
+  diffrl sft                                       pretrain the shapes world's toy model
   diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/
 
 Keys and their meaning: docs/configuration.md
@@ -67,6 +69,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
     source, overrides = _split_source(args.items)
     run_dir = sft(source, overrides)
     print(f"run finished: {run_dir}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from diffrl.trainer.evaluate import evaluate
+
+    evaluate(args.target, args.overrides, args.out)
     return 0
 
 
@@ -138,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="a preset name (default: 'shapes_sft') or a YAML file, then dotted key=value overrides",
     )
     sft.set_defaults(func=cmd_sft)
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="validation metrics (e.g. shapes held-out accuracy) of a run, checkpoint or model",
+        description="Run the validation of a run directory (its newest checkpoint), a checkpoint directory, "
+        "or a model (a diffusers directory, toy:shapes, tiny:<family>; with the default preset's validation).",
+    )
+    evaluate.add_argument("target", help="RUN_DIR, RUN_DIR/checkpoints/step_N, or a model path")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    evaluate.add_argument("--out", help="output folder (default: RUN_DIR/eval/step_N or runs/eval/NAME)")
+    evaluate.set_defaults(func=cmd_eval)
 
     presets = sub.add_parser("presets", help="list the built-in presets")
     presets.set_defaults(func=cmd_presets)

@@ -57,8 +57,9 @@ def resolve_source(source: str | None) -> Path:
     return path
 
 
-def load_config(source: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the preset/file `source`, then `overrides` ("a.b=value"), validated."""
+def load_config(source: str | None = None, overrides: Sequence[str] = (), job: str = "train") -> Config:
+    """Defaults, then the preset/file `source`, then `overrides` ("a.b=value"), validated for `job`
+    (`train` or `sft`: see `Config.validate`)."""
     path = resolve_source(source)
     merged: DictConfig = OmegaConf.structured(Config)
     layers = [(str(path), _read_yaml(path)), ("command line", _parse_overrides(overrides))]
@@ -69,7 +70,7 @@ def load_config(source: str | None = None, overrides: Sequence[str] = ()) -> Con
             raise ConfigError(f"{where}: {_explain(err)}") from None
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, Config)
-    return cfg.validate()
+    return cfg.validate(job)
 
 
 def to_yaml(cfg: Config) -> str:

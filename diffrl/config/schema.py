@@ -493,11 +493,26 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SftConfig = field(default_factory=SftConfig)
 
-    def validate(self) -> Config:
-        """Check every section, then the rules that span sections; returns self."""
+    JOBS = ("train", "sft", "eval")
+
+    def validate(self, job: str = "train") -> Config:
+        """Check every section, then the rules that span sections for `job` (`train`: RL batch
+        arithmetic; `sft`: images per step over micro-batches; `eval`: neither); returns self."""
+        _require_choice("job", job, self.JOBS)
         for section in fields(self):
             getattr(self, section.name).validate(section.name)
         n, mini, micro = self.rollout.n, self.actor.mini_batch_size, self.actor.micro_batch_size
+        if job == "eval":
+            return self
+        if job == "sft":
+            _require(
+                self.data.prompts_per_step % (micro * self.world_size) == 0,
+                "data.prompts_per_step",
+                self.data.prompts_per_step,
+                f"(images per sft step) must be a multiple of actor.micro_batch_size={micro} × the "
+                f"{self.world_size} worker(s)",
+            )
+            return self
         if self.algorithm.trainer_type == "policy_gradient":
             _require(
                 n >= 2,

@@ -38,12 +38,24 @@ def adapter_class(pipeline_class_name: str) -> type[ModelAdapter]:
 
 
 TINY_PREFIX = "tiny:"
+TOY_PREFIX = "toy:"
+#: Trained models shipped inside the package (`toy:<name>`): the shapes world's pretrained model.
+PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "toy" / "pretrained"
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """`model.path` -> a directory. `tiny:<family>` names a tiny random model built offline once
+    """`model.path` -> a directory. `toy:<name>` names a trained model shipped in the package
+    (`toy:shapes`, the shapes world's model). `tiny:<family>` names a tiny random model built offline once
     into the cache (`$DIFFRL_CACHE`, default ~/.cache/diffrl): demos and tests need no download."""
     text = str(path)
+    if text.startswith(TOY_PREFIX):
+        name = text[len(TOY_PREFIX) :]
+        shipped = (
+            sorted(p.name for p in PRETRAINED_DIR.iterdir() if p.is_dir()) if PRETRAINED_DIR.is_dir() else []
+        )
+        if name not in shipped:
+            raise ValueError(f"model.path={text!r}: no shipped model {name!r}; shipped: {shipped or 'none'}")
+        return PRETRAINED_DIR / name
     if not text.startswith(TINY_PREFIX):
         return Path(path)
     from diffrl import __version__

@@ -88,7 +88,11 @@ class PolicyGradientTrainer:
         while self.step < cfg.total_steps:
             self.step += 1
             metrics = self.train_step()
-            if cfg.test_freq and self.step % cfg.test_freq == 0 and self.val_records:
+            if (
+                cfg.test_freq
+                and self.val_records
+                and (self.step % cfg.test_freq == 0 or self.step == cfg.total_steps)
+            ):
                 with self.timer.phase("validation"):
                     last_val = self.validate()
                 metrics.update(last_val)

@@ -208,4 +208,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
                 "validation": final_validation,
             },
         )
+    from diffrl.telemetry.report import write_report
+
+    print(write_report(run_dir))
     return run_dir

@@ -81,7 +81,11 @@ class SupervisedTrainer:
         while self.step < cfg.total_steps:
             self.step += 1
             metrics = self.train_step()
-            if cfg.test_freq and self.step % cfg.test_freq == 0 and self.val_records:
+            if (
+                cfg.test_freq
+                and self.val_records
+                and (self.step % cfg.test_freq == 0 or self.step == cfg.total_steps)
+            ):
                 with self.timer.phase("validation"):
                     last_val = self.validate()
                 metrics.update(last_val)
@@ -163,26 +167,28 @@ def image_file(record: PromptRecord, column: str) -> Path:
     return path
 
 
-def read_image(record: PromptRecord, column: str, height: int, width: int) -> np.ndarray:
+def check_image(record: PromptRecord, column: str, height: int, width: int) -> Path:
+    """The row's image file, checked to exist and have the training size (reads the header only)."""
     path = image_file(record, column)
+    if not path.is_file():
+        raise FileNotFoundError(f"{record.source}: image {path} not found")
     with Image.open(path) as image:
         if image.size != (width, height):
             raise ValueError(
                 f"{path} is {image.size[0]}x{image.size[1]} but training runs at {width}x{height} "
                 "(rollout.pipeline.width x height): resize the dataset's images, or change the size"
             )
+    return path
+
+
+def read_image(record: PromptRecord, column: str, height: int, width: int) -> np.ndarray:
+    with Image.open(check_image(record, column, height, width)) as image:
         return np.array(image.convert("RGB"))
 
 
 # ---------------------------------------------------------------------------------- command
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Config rules of supervised training and every data row's image, before any model starts."""
-    world, micro = cfg.world_size, cfg.actor.micro_batch_size
-    if cfg.data.prompts_per_step % (micro * world):
-        raise ConfigError(
-            f"data.prompts_per_step={cfg.data.prompts_per_step} (images per step) must be a multiple of "
-            f"actor.micro_batch_size={micro} × the {world} worker(s)"
-        )
     train, val = preflight_common(cfg)
     for record in train:
         if cfg.sft.images == SHAPES:
@@ -191,8 +197,8 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
                     f"{record.source}: sft.images=shapes needs a 'scene' column (a shapes-world scene, "
                     "as in builtin:shapes_train.jsonl)"
                 )
-        elif not image_file(record, cfg.sft.images).is_file():
-            raise FileNotFoundError(f"{record.source}: image {image_file(record, cfg.sft.images)} not found")
+        else:
+            check_image(record, cfg.sft.images, cfg.rollout.pipeline.height, cfg.rollout.pipeline.width)
     return train, val
 
 
@@ -200,7 +206,7 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
     """Run a supervised flow-matching job; returns its run directory (the model is in `model/`)."""
     from omegaconf import OmegaConf
 
-    cfg = load_config(source or "shapes_sft", overrides)
+    cfg = load_config(source or "shapes_sft", overrides, job="sft")
     train_records, val_records = preflight(cfg)
     run_dir, run_name, checkpoint = prepare_run(cfg, source or "shapes_sft")
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
