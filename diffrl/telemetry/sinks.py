@@ -67,6 +67,7 @@ class ConsoleSink:
     KEY_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("reward", ("rewards/mean",)),
         ("val", ("val/rewards/mean",)),
+        ("val acc", ("val/rewards/shapes/accuracy_mean",)),  # the shapes world's held-out accuracy
         ("loss", ("actor/loss", "actor/policy_loss")),
         ("kl", ("actor/kl",)),
         ("grad", ("actor/grad_norm",)),
