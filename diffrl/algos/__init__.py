@@ -1,13 +1,14 @@
 """Advantage estimators and losses, looked up by name from the config.
 
 Importing this package registers every built-in algorithm:
-advantage estimators: "flow_grpo"; losses: "flow_grpo", "kl".
+advantage estimators: "flow_grpo"; losses: "flow_grpo", "grpo_guard", "kl".
 """
 
-from diffrl.algos import advantages, flow_grpo, kl  # noqa: F401  (registration on import)
+from diffrl.algos import advantages, flow_grpo, grpo_guard, kl  # noqa: F401  (registration on import)
 from diffrl.algos.advantages import compute_flow_grpo_advantages
 from diffrl.algos.base import Loss, LossInputs
 from diffrl.algos.flow_grpo import FlowGRPOLoss
+from diffrl.algos.grpo_guard import GRPOGuardLoss
 from diffrl.algos.kl import KLLoss
 from diffrl.algos.metrics import advantage_metrics, reward_metrics
 from diffrl.algos.registry import (
@@ -24,6 +25,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSSES",
     "FlowGRPOLoss",
+    "GRPOGuardLoss",
     "KLLoss",
     "Loss",
     "LossInputs",
