@@ -1,11 +1,12 @@
 """Advantage estimators and losses, looked up by name from the config.
 
 Importing this package registers every built-in algorithm:
-advantage estimators: "flow_grpo"; losses: "flow_dppo", "flow_grpo", "grpo_guard", "kl".
+advantage estimators: "flow_grpo"; losses: "awm", "flow_dppo", "flow_grpo", "grpo_guard", "kl".
 """
 
-from diffrl.algos import advantages, flow_dppo, flow_grpo, grpo_guard, kl  # noqa: F401  (registration on import)
+from diffrl.algos import advantages, awm, flow_dppo, flow_grpo, grpo_guard, kl  # noqa: F401  (registration on import)
 from diffrl.algos.advantages import compute_flow_grpo_advantages
+from diffrl.algos.awm import AWMInputs, AWMLoss
 from diffrl.algos.base import Loss, LossInputs
 from diffrl.algos.flow_dppo import FlowDPPOLoss
 from diffrl.algos.flow_grpo import FlowGRPOLoss
@@ -25,6 +26,8 @@ from diffrl.algos.registry import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSSES",
+    "AWMInputs",
+    "AWMLoss",
     "FlowDPPOLoss",
     "FlowGRPOLoss",
     "GRPOGuardLoss",
