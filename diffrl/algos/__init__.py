@@ -1,10 +1,10 @@
 """Advantage estimators and losses, looked up by name from the config.
 
 Importing this package registers every built-in algorithm:
-advantage estimators: "flow_grpo"; losses: "awm", "flow_dppo", "flow_grpo", "grpo_guard", "kl".
+advantage estimators: "flow_grpo"; losses: "awm", "diffusion_nft", "flow_dppo", "flow_grpo", "grpo_guard", "kl".
 """
 
-from diffrl.algos import advantages, awm, flow_dppo, flow_grpo, grpo_guard, kl  # noqa: F401  (registration on import)
+from diffrl.algos import advantages, awm, flow_dppo, flow_grpo, grpo_guard, kl, nft  # noqa: F401  (registration on import)
 from diffrl.algos.advantages import compute_flow_grpo_advantages
 from diffrl.algos.awm import AWMInputs, AWMLoss
 from diffrl.algos.base import Loss, LossInputs
@@ -13,6 +13,7 @@ from diffrl.algos.flow_grpo import FlowGRPOLoss
 from diffrl.algos.grpo_guard import GRPOGuardLoss
 from diffrl.algos.kl import KLLoss
 from diffrl.algos.metrics import advantage_metrics, reward_metrics
+from diffrl.algos.nft import DiffusionNFTLoss, NFTInputs, old_policy_decay
 from diffrl.algos.registry import (
     ADVANTAGE_ESTIMATORS,
     LOSSES,
@@ -28,17 +29,20 @@ __all__ = [
     "LOSSES",
     "AWMInputs",
     "AWMLoss",
+    "DiffusionNFTLoss",
     "FlowDPPOLoss",
     "FlowGRPOLoss",
     "GRPOGuardLoss",
     "KLLoss",
     "Loss",
     "LossInputs",
+    "NFTInputs",
     "Registry",
     "advantage_metrics",
     "compute_flow_grpo_advantages",
     "get_advantage_estimator",
     "get_loss",
+    "old_policy_decay",
     "register_advantage",
     "register_loss",
     "reward_metrics",
