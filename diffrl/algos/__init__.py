@@ -1,13 +1,14 @@
 """Advantage estimators and losses, looked up by name from the config.
 
 Importing this package registers every built-in algorithm:
-advantage estimators: "flow_grpo"; losses: "awm", "diffusion_nft", "flow_dppo", "flow_grpo", "grpo_guard", "kl".
+advantage estimators: "flow_grpo"; losses: "awm", "diffusion_nft", "dpo", "flow_dppo", "flow_grpo", "grpo_guard", "kl".
 """
 
-from diffrl.algos import advantages, awm, flow_dppo, flow_grpo, grpo_guard, kl, nft  # noqa: F401  (registration on import)
+from diffrl.algos import advantages, awm, dpo, flow_dppo, flow_grpo, grpo_guard, kl, nft  # noqa: F401  (registration on import)
 from diffrl.algos.advantages import compute_flow_grpo_advantages
 from diffrl.algos.awm import AWMInputs, AWMLoss
 from diffrl.algos.base import Loss, LossInputs
+from diffrl.algos.dpo import DPOInputs, DPOLoss, preference_pairs
 from diffrl.algos.flow_dppo import FlowDPPOLoss
 from diffrl.algos.flow_grpo import FlowGRPOLoss
 from diffrl.algos.grpo_guard import GRPOGuardLoss
@@ -29,6 +30,8 @@ __all__ = [
     "LOSSES",
     "AWMInputs",
     "AWMLoss",
+    "DPOInputs",
+    "DPOLoss",
     "DiffusionNFTLoss",
     "FlowDPPOLoss",
     "FlowGRPOLoss",
@@ -43,6 +46,7 @@ __all__ = [
     "get_advantage_estimator",
     "get_loss",
     "old_policy_decay",
+    "preference_pairs",
     "register_advantage",
     "register_loss",
     "reward_metrics",
