@@ -164,6 +164,8 @@ class AWMLoss:
         ema_kl                 the EMA velocity gap (only when awm_ema_kl_coef > 0)
     """
 
+    trainer_type = "direct_preference"  # the loop that can feed it (algorithm.trainer_type)
+
     def compute(
         self, batch: AWMInputs, velocity: torch.Tensor, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:

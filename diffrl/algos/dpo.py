@@ -206,6 +206,8 @@ class DPOLoss:
         mse_chosen, mse_rejected   mean flow-matching error e_θ of each side
     """
 
+    trainer_type = "direct_preference"  # the loop that can feed it (algorithm.trainer_type)
+
     def compute(
         self, batch: DPOInputs, velocity: torch.Tensor, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:

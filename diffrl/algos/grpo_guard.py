@@ -91,6 +91,9 @@ class GRPOGuardLoss:
         sigma_t, sqrt_dt             σ̄ and h̄ of this step
     """
 
+    trainer_type = "policy_gradient"  # the loop that can feed it (algorithm.trainer_type)
+    needs_old_mean = True  # LossInputs.old_mean must be set (rollout means or recomputed old ones)
+
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -102,8 +105,8 @@ class GRPOGuardLoss:
             )
         if batch.old_mean is None:
             raise ValueError(
-                "grpo_guard needs batch.old_mean, the old (sampling) policy's SDE mean of this step: "
-                "recompute it with the old weights (algorithm.old_log_probs=recompute) and pass it"
+                "grpo_guard needs batch.old_mean, the old (sampling) policy's SDE mean of this step: the "
+                "rollout's stored means[:, j] when its log-probs are reused, else the recomputed old means"
             )
         if batch.old_mean.shape != policy_out.mean.shape:
             raise ValueError(

@@ -156,6 +156,8 @@ class DiffusionNFTLoss:
         kl                mean((v_θ − v_ref)²) (only when kl_coef > 0)
     """
 
+    trainer_type = "direct_preference"  # the loop that can feed it (algorithm.trainer_type)
+
     def compute(
         self, batch: NFTInputs, velocity: torch.Tensor, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:
