@@ -66,7 +66,7 @@ REJECTION_LEVELS = ("step", "sequence_mean", "sequence_sum", "sequence_max")
 SAFETY_BOUND = 20.0
 """|λ| (or its sum/mean) is clamped to this before exp: exp(20) ≈ 4.9e8."""
 
-PREFIX = "rollout_corr/"
+PREFIX = "rollout_correction/"
 
 
 def log_ratio(old_log_probs_BW: torch.Tensor, rollout_log_probs_BW: torch.Tensor) -> torch.Tensor:
@@ -178,26 +178,27 @@ def effective_sample_size(weights: torch.Tensor) -> float:
 
 
 def mismatch_metrics(old_log_probs_BW: torch.Tensor, rollout_log_probs_BW: torch.Tensor) -> dict[str, float]:
-    """Train/sample mismatch diagnostics, `rollout_corr/...` plain floats:
+    """Train/sample mismatch diagnostics, `rollout_correction/...` plain floats (the first two are the
+    names the policy-gradient trainer already logs when it recomputes old log-probs):
 
-    log_prob_abs_diff_mean, log_prob_abs_diff_max     over all (sample, step)
-    step{j}/log_prob_abs_diff_mean, .../max            per window step j
-    kl       mean(logp_rollout − logp_old), the k1 estimate of KL(rollout ‖ old)
-    k3_kl    mean(e^λ − 1 − λ), the k3 estimate of the same KL
+        abs_logp_diff_mean, abs_logp_diff_max   over all (sample, step), in nats
+        step{j}/abs_logp_diff_mean, .../max     per window step j (0 = the window's first step)
+        kl       mean(logp_rollout − logp_old), the k1 estimate of KL(rollout ‖ old)
+        k3_kl    mean(e^λ − 1 − λ), the k3 estimate of the same KL
     """
     lam = log_ratio(old_log_probs_BW, rollout_log_probs_BW)
     abs_diff = lam.abs()
     per_step_mean = abs_diff.mean(dim=0).tolist()
     per_step_max = abs_diff.max(dim=0).values.tolist()
     metrics = {
-        f"{PREFIX}log_prob_abs_diff_mean": abs_diff.mean().item(),
-        f"{PREFIX}log_prob_abs_diff_max": abs_diff.max().item(),
+        f"{PREFIX}abs_logp_diff_mean": abs_diff.mean().item(),
+        f"{PREFIX}abs_logp_diff_max": abs_diff.max().item(),
         f"{PREFIX}kl": (-lam).mean().item(),
         f"{PREFIX}k3_kl": divergence_statistic(lam, "k3").mean().item(),
     }
     for j, (mean_j, max_j) in enumerate(zip(per_step_mean, per_step_max, strict=True)):
-        metrics[f"{PREFIX}step{j}/log_prob_abs_diff_mean"] = mean_j
-        metrics[f"{PREFIX}step{j}/log_prob_abs_diff_max"] = max_j
+        metrics[f"{PREFIX}step{j}/abs_logp_diff_mean"] = mean_j
+        metrics[f"{PREFIX}step{j}/abs_logp_diff_max"] = max_j
     return metrics
 
 
@@ -224,12 +225,12 @@ def rollout_correction(
     Returns:
         weights_BW: (B, W) float32 on the inputs' device, detached: IS weight × keep (all ones
             when both parts are off). Column j feeds `LossInputs.weights_B` at window step j.
-        metrics: `mismatch_metrics` plus, when on, `rollout_corr/rollout_is_{mean,max,min,
+        metrics: `mismatch_metrics` plus, when on, `rollout_correction/rollout_is_{mean,max,min,
             ratio_fraction_high,ratio_fraction_low}` (of the IS weights; the fractions of raw
-            weights above is_threshold / below is_lower), `rollout_corr/rollout_rs_{masked_fraction,
+            weights above is_threshold / below is_lower), `rollout_correction/rollout_rs_{masked_fraction,
             seq_masked_fraction}` (rejected steps; samples with any rejected step),
-            `rollout_corr/rollout_rs_<k>_{mean,max}` (the aggregated statistic), and
-            `rollout_corr/rollout_is_eff_sample_size` of the final weights.
+            `rollout_correction/rollout_rs_<k>_{mean,max}` (the aggregated statistic), and
+            `rollout_correction/rollout_is_eff_sample_size` of the final weights.
     """
     lam = log_ratio(old_log_probs_BW, rollout_log_probs_BW)
     is_w, raw = importance_weights(lam, is_level, is_mode, is_threshold, is_lower)

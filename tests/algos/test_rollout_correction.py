@@ -109,15 +109,15 @@ def test_effective_sample_size():
 def test_mismatch_metrics_by_hand():
     m = mismatch_metrics(OLD, ROLLOUT)
     flat = [abs(x) for row in LAM for x in row]
-    assert m["rollout_corr/log_prob_abs_diff_mean"] == pytest.approx(sum(flat) / 6)
-    assert m["rollout_corr/log_prob_abs_diff_max"] == pytest.approx(2.0)
-    assert m["rollout_corr/step0/log_prob_abs_diff_mean"] == pytest.approx((0.1 + 1.0 + 2.0) / 3)
-    assert m["rollout_corr/step0/log_prob_abs_diff_max"] == pytest.approx(2.0)
-    assert m["rollout_corr/step1/log_prob_abs_diff_mean"] == pytest.approx((0.3 + 0.2 + 0.5) / 3)
-    assert m["rollout_corr/step1/log_prob_abs_diff_max"] == pytest.approx(0.5)
-    assert m["rollout_corr/kl"] == pytest.approx(-sum(x for row in LAM for x in row) / 6)
+    assert m["rollout_correction/abs_logp_diff_mean"] == pytest.approx(sum(flat) / 6)
+    assert m["rollout_correction/abs_logp_diff_max"] == pytest.approx(2.0)
+    assert m["rollout_correction/step0/abs_logp_diff_mean"] == pytest.approx((0.1 + 1.0 + 2.0) / 3)
+    assert m["rollout_correction/step0/abs_logp_diff_max"] == pytest.approx(2.0)
+    assert m["rollout_correction/step1/abs_logp_diff_mean"] == pytest.approx((0.3 + 0.2 + 0.5) / 3)
+    assert m["rollout_correction/step1/abs_logp_diff_max"] == pytest.approx(0.5)
+    assert m["rollout_correction/kl"] == pytest.approx(-sum(x for row in LAM for x in row) / 6)
     k3 = [math.exp(x) - 1 - x for row in LAM for x in row]
-    assert m["rollout_corr/k3_kl"] == pytest.approx(sum(k3) / 6)
+    assert m["rollout_correction/k3_kl"] == pytest.approx(sum(k3) / 6)
 
 
 def test_combined_weights_are_is_times_keep_with_metrics():
@@ -135,15 +135,15 @@ def test_combined_weights_are_is_times_keep_with_metrics():
     keep = [[True, True], [False, True], [False, False]]
     expected = [[is_w[b][j] * keep[b][j] for j in range(2)] for b in range(3)]
     torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float32))
-    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(3 / 6)
-    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 3)
-    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 6)  # e^1.0
-    assert m["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 6)  # e^-2
-    assert m["rollout_corr/rollout_is_max"] == 2.0
+    assert m["rollout_correction/rollout_rs_masked_fraction"] == pytest.approx(3 / 6)
+    assert m["rollout_correction/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 3)
+    assert m["rollout_correction/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 6)  # e^1.0
+    assert m["rollout_correction/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 6)  # e^-2
+    assert m["rollout_correction/rollout_is_max"] == 2.0
     flat = [x for row in expected for x in row]
     ess = sum(flat) ** 2 / (6 * sum(x * x for x in flat))
-    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(ess)
-    assert m["rollout_corr/rollout_rs_k2_max"] == pytest.approx(2.0)
+    assert m["rollout_correction/rollout_is_eff_sample_size"] == pytest.approx(ess)
+    assert m["rollout_correction/rollout_rs_k2_max"] == pytest.approx(2.0)
 
 
 def test_bypass_mode_old_equals_rollout_is_the_identity():
@@ -151,9 +151,9 @@ def test_bypass_mode_old_equals_rollout_is_the_identity():
         ROLLOUT, ROLLOUT, is_level="sequence", is_mode="mask", rejection="k3", rejection_threshold=1e-6
     )
     assert torch.equal(w, torch.ones(3, 2))
-    assert m["rollout_corr/log_prob_abs_diff_max"] == 0.0 and m["rollout_corr/k3_kl"] == 0.0
-    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0
-    assert m["rollout_corr/rollout_is_eff_sample_size"] == 1.0
+    assert m["rollout_correction/abs_logp_diff_max"] == 0.0 and m["rollout_correction/k3_kl"] == 0.0
+    assert m["rollout_correction/rollout_rs_masked_fraction"] == 0.0
+    assert m["rollout_correction/rollout_is_eff_sample_size"] == 1.0
 
 
 def test_all_off_gives_ones_and_only_diagnostics():
