@@ -1,14 +1,25 @@
-"""Drawing shapes-world scenes with Pillow: correct images for pretraining, wrong ones for tests.
+"""Drawing shapes-world scenes: correct images for supervised pretraining, wrong scenes for negatives.
 
-`render(scene, size, generator)` draws every object of the scene on a white background: flat
-palette colours (an object without a colour gets a random palette colour), sizes 25–34% of the
-image side (smaller in scenes of four or more objects), positions drawn at random until no two objects come closer than a gap of 6% of the
-side, and a relation holds with a margin of at least 30% of the side along its axis. Shapes are
-axis-aligned: a circle, a square, and a triangle pointing up (apex at the top centre of its box).
+`render(scene, size, generator)` draws every object of the scene in a flat palette colour on a
+white background (an object without a colour gets a random palette colour, each object its own).
+Shapes are axis-aligned in a square box: a circle, a square, a triangle pointing up (apex at the
+top centre of its box, base along its bottom). Layout, by rejection sampling from `generator`:
 
-`corrupt(scene, generator)` returns a scene that breaks the original prompt in one way (a wrong
-count, colour or shape, an extra or missing object, the opposite relation); the verifier must
-reject its renderings.
+- box side uniform in `SIZE_RANGE` (18-30%) of the image side, but at least `MIN_SIDE_PX` pixels:
+  at 32x32 a circle smaller than that is hard to tell from a square with clipped corners, for the
+  verifier and for a model alike;
+- no two boxes closer than `GAP` (6%) of the side, at least 2 pixels, so objects never merge even
+  after a slight blur; crowded scenes that fail to place shrink their objects a little and retry;
+- a relation holds with a clear margin: `relation_holds` with `RENDER_MIN_COS` (0.8) instead of the
+  verifier's 0.5, i.e. the second object lies within about 37° of the relation's axis.
+
+Images are drawn `SUPERSAMPLE` (4) times larger and box-filtered down, so edges are anti-aliased
+like a real image's, not hard pixel steps (the verifier must cope with soft edges anyway).
+
+`render_batch(scenes, size, seed)` renders a batch, image i from its own generator (seed, i).
+`corrupt(scene, generator)` returns a scene that the same prompt forbids (a wrong count, colour or
+shape, a missing or extra object, the opposite relation, swapped colours); rendering it gives a
+negative example, which the verifier must reject.
 """
 
 from __future__ import annotations
@@ -20,53 +31,49 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from diffrl.toy.grammar import BACKGROUND, PALETTE, RELATIONS, SHAPES, ObjectSpec, Scene
+from diffrl.seeding import derive_seed
+from diffrl.toy.grammar import (
+    BACKGROUND,
+    MAX_COUNT,
+    MIRROR,
+    PALETTE,
+    SHAPES,
+    Box,
+    ObjectSpec,
+    Scene,
+    relation_holds,
+)
 
-SIZE_RANGE = (0.25, 0.34)  # object box side, as a fraction of the image side
-GAP = 0.06  # minimum free space between two objects' boxes, fraction of the side
-RELATION_MARGIN = 0.30  # minimum centre offset along a relation's axis, fraction of the side
-_OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
-_MAX_TRIES = 2000
-
-
-def relation_holds(
-    relation: str, a_xy: tuple[float, float], b_xy: tuple[float, float], margin: float
-) -> bool:
-    """Whether centre `a_xy` is `relation` centre `b_xy` by more than `margin` pixels (y grows down)."""
-    dx, dy = b_xy[0] - a_xy[0], b_xy[1] - a_xy[1]
-    return {"left of": dx, "right of": -dx, "above": dy, "below": -dy}[relation] > margin
-
-
-def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], color) -> None:
-    x0, y0, x1, y1 = box
-    if shape == "circle":
-        draw.ellipse((x0, y0, x1 - 1, y1 - 1), fill=color)
-    elif shape == "square":
-        draw.rectangle((x0, y0, x1 - 1, y1 - 1), fill=color)
-    else:
-        draw.polygon([((x0 + x1 - 1) / 2, y0), (x1 - 1, y1 - 1), (x0, y1 - 1)], fill=color)
+SIZE_RANGE = (0.18, 0.30)  # object box side, fraction of the image side
+MIN_SIDE_PX = 8.0  # ... but never below this many pixels
+GAP = 0.06  # least free space between two boxes (and at least 2 px), fraction of the side
+RENDER_MIN_COS = 0.8  # relations drawn with this margin (the verifier accepts > 0.5)
+SUPERSAMPLE = 4  # drawn this many times larger, then box-filtered down (anti-aliasing)
+MIN_SIZE = 24  # smallest image side the layout rules fit in
+_TRIES_PER_SCALE = 200
+_SHRINK = 0.9  # object sizes shrink by this after every _TRIES_PER_SCALE failed layouts
+_COLORS = list(PALETTE.values())
 
 
-def _layout(
-    scene: Scene, size: int, rng: np.random.Generator
-) -> list[tuple[str, tuple[int, ...], tuple[int, int, int, int]]]:
-    """(shape, rgb, box) of every object, placed by rejection sampling."""
-    items = []
-    for group, spec in enumerate(scene.objects):
+def _layout(scene: Scene, size: int, rng: np.random.Generator) -> list[tuple[str, tuple[int, ...], Box]]:
+    """(shape, rgb, box) of every object of `scene`; objects of objects[0] come first."""
+    items: list[tuple[str, tuple[int, ...]]] = []
+    for spec in scene.objects:
         for _ in range(spec.count):
-            color = PALETTE[spec.color] if spec.color else PALETTE[rng.choice(list(PALETTE))]
-            items.append((group, spec.shape, color))
-    gap = max(1, round(GAP * size))
-    # Crowded scenes draw smaller objects, and every failed batch of tries shrinks them a little more.
-    scale = 0.8 if len(items) >= 4 else 1.0
-    for attempt in range(_MAX_TRIES):
-        if attempt and attempt % 250 == 0:
-            scale *= 0.9
-        boxes = []
-        for _group, _shape, _color in items:
-            side = round(float(rng.uniform(*SIZE_RANGE)) * scale * size)
-            x0, y0 = (int(v) for v in rng.integers(0, size - side + 1, size=2))
-            box = (x0, y0, x0 + side, y0 + side)
+            rgb = PALETTE[spec.color] if spec.color else _COLORS[int(rng.integers(len(_COLORS)))]
+            items.append((spec.shape, rgb))
+    gap = max(2.0, GAP * size)
+    lo = max(SIZE_RANGE[0] * size, MIN_SIDE_PX)
+    hi = max(SIZE_RANGE[1] * size, lo)
+    scale = 1.0
+    for attempt in range(20 * _TRIES_PER_SCALE):
+        if attempt and attempt % _TRIES_PER_SCALE == 0:
+            scale *= _SHRINK
+        boxes: list[Box] = []
+        for _ in items:
+            side = float(rng.uniform(lo, hi)) * scale
+            x0, y0 = rng.uniform(1.0, size - 1.0 - side, size=2)
+            box = (float(x0), float(y0), float(x0) + side, float(y0) + side)
             if any(
                 box[0] < b[2] + gap and b[0] < box[2] + gap and box[1] < b[3] + gap and b[1] < box[3] + gap
                 for b in boxes
@@ -74,75 +81,130 @@ def _layout(
                 break
             boxes.append(box)
         else:
-            if scene.relation is not None:
-                centre = [((b[0] + b[2]) / 2, (b[1] + b[3]) / 2) for b in boxes]
-                if not relation_holds(scene.relation, centre[0], centre[1], RELATION_MARGIN * size):
-                    continue
-            return [(shape, color, box) for (_g, shape, color), box in zip(items, boxes, strict=True)]
-    raise ValueError(f"could not place {len(items)} objects without overlap in a {size}x{size} image")
+            if scene.relation is None or relation_holds(scene.relation, boxes[0], boxes[1], RENDER_MIN_COS):
+                return [(shape, rgb, box) for (shape, rgb), box in zip(items, boxes, strict=True)]
+    raise AssertionError(f"no layout found for {scene} at size {size}")  # the rules always fit at >= MIN_SIZE
+
+
+def _draw(draw: ImageDraw.ImageDraw, shape: str, box: Box, rgb: tuple[int, ...], scale: int) -> None:
+    """One shape in `box` (pixel units of the final image) on a canvas `scale` times larger."""
+    x0, y0, x1, y1 = (round(v * scale) for v in box)
+    # Pillow's boxes include their last pixel: [x0, x1 - 1] covers exactly x1 - x0 pixels.
+    if shape == "circle":
+        draw.ellipse((x0, y0, x1 - 1, y1 - 1), fill=rgb)
+    elif shape == "square":
+        draw.rectangle((x0, y0, x1 - 1, y1 - 1), fill=rgb)
+    else:
+        draw.polygon([((x0 + x1 - 1) / 2, y0), (x1 - 1, y1 - 1), (x0, y1 - 1)], fill=rgb)
 
 
 def render(scene: Scene, size: int = 64, generator: np.random.Generator | None = None) -> np.ndarray:
-    """uint8 [size, size, 3]: a correct image of `scene` (random layout and free colours)."""
-    if size < 24:
-        raise ValueError(f"size={size} is too small to draw shapes reliably: use 32 or 64")
-    rng = generator if generator is not None else np.random.default_rng()
-    image = Image.new("RGB", (size, size), BACKGROUND)
+    """uint8 [size, size, 3]: a correct image of `scene`, its random layout and free colours drawn
+    from `generator` (required: every random draw in diffrl is seeded, see diffrl.seeding)."""
+    if not isinstance(scene, Scene):
+        raise ValueError(f"render needs a Scene (parse_prompt(text) or Scene.from_dict(row)), got {scene!r}")
+    if not isinstance(generator, np.random.Generator):
+        raise ValueError(
+            "render needs generator=numpy.random.Generator, e.g. diffrl.seeding.numpy_rng(seed, index); "
+            f"got {generator!r}"
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SIZE:
+        raise ValueError(f"size={size!r} is invalid: use an integer >= {MIN_SIZE} (the toy model uses 64)")
+    big = size * SUPERSAMPLE
+    image = Image.new("RGB", (big, big), BACKGROUND)
     draw = ImageDraw.Draw(image)
-    for shape, color, box in _layout(scene, size, rng):
-        draw_shape(draw, shape, box, color)
-    return np.asarray(image).copy()
+    for shape, rgb, box in _layout(scene, size, generator):
+        _draw(draw, shape, box, rgb, SUPERSAMPLE)
+    return np.array(image.reduce(SUPERSAMPLE))
 
 
 def render_batch(scenes: Sequence[Scene], size: int, seed: int) -> torch.Tensor:
-    """uint8 [B, 3, size, size]; image i from its own generator (seed, i), independent of the batch."""
-    from diffrl.seeding import numpy_rng
+    """uint8 [B, 3, size, size]; image i from its own generator `derive_seed(seed, i)`, so it does
+    not depend on the batch it is in. Pass a seed derived for the purpose (e.g.
+    `derive_seed(SFT_STREAM, seed, step)`) to keep streams apart."""
+    if len(scenes) == 0:
+        raise ValueError("render_batch needs at least one scene")
+    images_BHW3 = np.stack(
+        [render(s, size, np.random.default_rng(derive_seed(seed, i))) for i, s in enumerate(scenes)]
+    )
+    return torch.from_numpy(images_BHW3).permute(0, 3, 1, 2).contiguous()
 
-    images = [render(s, size, numpy_rng(seed, i)) for i, s in enumerate(scenes)]
-    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
 
-
+# ------------------------------------------------------------------------------------ negatives
 def corrupt(scene: Scene, generator: np.random.Generator) -> Scene:
-    """A scene that violates `scene`'s prompt in one randomly chosen way."""
-    rng = generator
-    objects = list(scene.objects)
-    choices = ["extra", "shape"]
-    if sum(o.count for o in objects) > 1:
-        choices.append("missing")
-    if any(o.color for o in objects):
-        choices.append("color")
-    if scene.category == "counting":
-        choices.append("count")
-    if scene.relation is not None:
-        choices += ["relation", "relation"]
-    kind = choices[rng.integers(len(choices))]
-    i = int(rng.integers(len(objects)))
-    if kind == "extra":
-        objects.append(ObjectSpec(str(rng.choice(SHAPES))))
-        return Scene(scene.category, tuple(objects))  # an extra object; the relation no longer matters
-    if kind == "missing":
-        if objects[i].count > 1:
-            objects[i] = replace(objects[i], count=objects[i].count - 1)
-        else:
-            del objects[i]
-        return Scene(scene.category, tuple(objects))
-    if kind == "shape":
-        others = [s for s in SHAPES if s != objects[i].shape]
-        objects[i] = replace(objects[i], shape=str(rng.choice(others)))
-        return replace(scene, objects=tuple(objects))
-    if kind == "color":
-        i = next(j for j, o in enumerate(objects) if o.color)
-        others = [c for c in PALETTE if c != objects[i].color]
-        objects[i] = replace(objects[i], color=str(rng.choice(others)))
-        return replace(scene, objects=tuple(objects))
-    if kind == "count":
-        n = objects[0].count
-        options = [c for c in (n - 1, n + 1) if 1 <= c <= 5]
-        objects[0] = replace(objects[0], count=int(rng.choice(options)))
-        return replace(scene, objects=tuple(objects))
-    return replace(scene, relation=_OPPOSITE[scene.relation])
+    """A scene that violates `scene`'s prompt in one way: a kind of mistake drawn uniformly from those
+    that apply to the category, then one instance of it.
 
+    Every corruption is visible to a checker of the original prompt, whatever colours and layout the
+    renderer draws: a different shape, count or colour, a missing or an extra object, the opposite
+    relation (or the two objects swapped), or, for color_attr, the two colours swapped between the
+    shapes (the classic attribute-binding error). The result is a valid scene of the grammar (possibly
+    of another category), so it has a prompt too.
+    """
+    objs = scene.objects
+    first = objs[0]
 
-assert set(_OPPOSITE) == set(RELATIONS)
+    def others(*used: str) -> list[str]:
+        return [s for s in SHAPES if s not in used]
 
-__all__ = ["corrupt", "draw_shape", "relation_holds", "render", "render_batch"]
+    kinds: dict[str, list[Scene]] = {}
+    if scene.category == "single_object":
+        kinds["shape"] = [Scene("single_object", (ObjectSpec(s),)) for s in others(first.shape)]
+        kinds["extra"] = [Scene("counting", (ObjectSpec(first.shape, None, 2),))]
+        kinds["extra"] += [Scene("two_objects", (first, ObjectSpec(s))) for s in others(first.shape)]
+    elif scene.category == "two_objects":
+        a, b = objs
+        third = others(a.shape, b.shape)[0]
+        kinds["missing"] = [Scene("single_object", (o,)) for o in objs]
+        kinds["shape"] = [
+            Scene("two_objects", (a, ObjectSpec(third))),
+            Scene("two_objects", (ObjectSpec(third), b)),
+            Scene("counting", (ObjectSpec(a.shape, None, 2),)),
+            Scene("counting", (ObjectSpec(b.shape, None, 2),)),
+        ]
+    elif scene.category == "counting":
+        n = first.count
+        kinds["count"] = [
+            Scene("counting", (replace(first, count=m),)) for m in (n - 1, n + 1) if 2 <= m <= MAX_COUNT
+        ]
+        if n == 2:
+            kinds["count"].append(Scene("single_object", (ObjectSpec(first.shape),)))
+        kinds["shape"] = [Scene("counting", (replace(first, shape=s),)) for s in others(first.shape)]
+    elif scene.category == "colors":
+        kinds["color"] = [Scene("colors", (replace(first, color=c),)) for c in PALETTE if c != first.color]
+        kinds["shape"] = [Scene("colors", (replace(first, shape=s),)) for s in others(first.shape)]
+        kinds["extra"] = [
+            Scene("color_attr", (first, ObjectSpec(s, c)))
+            for s in others(first.shape)
+            for c in PALETTE
+            if c != first.color
+        ]
+    elif scene.category == "position":
+        a, b = objs
+        assert scene.relation is not None
+        third = others(a.shape, b.shape)[0]
+        kinds["relation"] = [
+            replace(scene, relation=MIRROR[scene.relation]),  # the opposite side
+            Scene("position", (b, a), scene.relation),  # the two objects swapped
+        ]
+        kinds["shape"] = [
+            Scene("position", (ObjectSpec(third), b), scene.relation),
+            Scene("position", (a, ObjectSpec(third)), scene.relation),
+        ]
+        kinds["missing"] = [Scene("single_object", (o,)) for o in objs]
+    else:  # color_attr
+        a, b = objs
+        assert a.color is not None and b.color is not None
+        spare = [c for c in PALETTE if c not in (a.color, b.color)]
+        third = others(a.shape, b.shape)[0]
+        kinds["binding"] = [Scene("color_attr", (replace(a, color=b.color), replace(b, color=a.color)))]
+        kinds["color"] = [Scene("color_attr", (replace(a, color=c), b)) for c in spare]
+        kinds["color"] += [Scene("color_attr", (a, replace(b, color=c))) for c in spare]
+        kinds["shape"] = [
+            Scene("color_attr", (replace(a, shape=third), b)),
+            Scene("color_attr", (a, replace(b, shape=third))),
+        ]
+        kinds["missing"] = [Scene("colors", (o,)) for o in objs]
+    names = sorted(kinds)
+    options = kinds[names[int(generator.integers(len(names)))]]
+    return options[int(generator.integers(len(options)))]
