@@ -143,15 +143,17 @@ class GRPOGuardLoss:
                     (kind_gap / std_B.clamp_min(1e-30)).max(),
                 ]
             ).tolist()  # one device sync
-        if not (stats[METRIC_NAMES.index("sigma_t")] > 0 and stats[METRIC_NAMES.index("sqrt_dt")] > 0):
+        *values, kind_gap = stats
+        metrics = dict(zip(METRIC_NAMES, values, strict=True))
+        if not (metrics["sigma_t"] > 0 and metrics["sqrt_dt"] > 0):
             raise ValueError(
                 "grpo_guard got a deterministic step (std_dev_t or sqrt(-dt) is 0: ODE, or σ' = σ); "
                 "train it only on SDE window steps"
             )
-        if not stats[-1] <= _SDE_KIND_RTOL:
+        if not kind_gap <= _SDE_KIND_RTOL:
             raise ValueError(
                 "grpo_guard is defined for the `sde` step kind (std_B == std_dev_t_B·sqrt_neg_dt_B, "
-                f"normalised Gaussian log-probs); this step differs by {stats[-1]:.3g} (relative). "
+                f"normalised Gaussian log-probs); this step differs by {kind_gap:.3g} (relative). "
                 "Set rollout.sde.type=sde or use another loss"
             )
-        return loss, dict(zip(METRIC_NAMES, stats[:-1], strict=True))
+        return loss, metrics
