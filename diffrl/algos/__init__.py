@@ -1,7 +1,12 @@
 """Advantage estimators and losses, looked up by name from the config.
 
 Importing this package registers every built-in algorithm:
-advantage estimators: "flow_grpo"; losses: "awm", "diffusion_nft", "dpo", "flow_dppo", "flow_grpo", "grpo_guard", "kl".
+advantage estimators: "flow_grpo";
+policy-gradient losses (per SDE window step, `LossInputs` + `StepOut`): "flow_grpo", "grpo_guard",
+"flow_dppo", and the "kl" penalty;
+direct-preference losses (forward process, own inputs + the network's velocity): "awm",
+"diffusion_nft", "dpo".
+Rollout correction (`diffrl.algos.rollout_correction`) is plain functions, not registered.
 """
 
 from diffrl.algos import advantages, awm, dpo, flow_dppo, flow_grpo, grpo_guard, kl, nft  # noqa: F401  (registration on import)
