@@ -141,6 +141,8 @@ class Scene:
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
             raise ValueError(f"category {self.category!r} is unknown: use one of {', '.join(CATEGORIES)}")
+        if isinstance(self.objects, list):  # accept a list; store a tuple (hashable, immutable)
+            object.__setattr__(self, "objects", tuple(self.objects))
         if not isinstance(self.objects, tuple) or not all(isinstance(o, ObjectSpec) for o in self.objects):
             raise ValueError(f"Scene.objects must be a tuple of ObjectSpec, got {self.objects!r}")
         if self.relation is not None and self.relation not in RELATIONS:

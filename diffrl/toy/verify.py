@@ -278,7 +278,7 @@ def _as_hw3(image: np.ndarray | torch.Tensor) -> torch.Tensor:
             raise ValueError(
                 f"a numpy image must be uint8 [H, W, 3] (tensors are [3, H, W]); got shape {image.shape}"
             )
-        tensor = torch.from_numpy(np.ascontiguousarray(image))
+        tensor = torch.from_numpy(np.array(image))  # a copy: arrays from Pillow are read-only
     else:
         raise ValueError(
             f"image must be a numpy array [H, W, 3] or a tensor [3, H, W], got {type(image).__name__}"

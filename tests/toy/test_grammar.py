@@ -143,6 +143,15 @@ def test_bad_object_specs_raise(kwargs, message):
         ObjectSpec(**kwargs)
 
 
+def test_scene_objects_may_be_given_as_a_list():
+    scene = Scene("colors", [ObjectSpec("circle", "red")])
+    assert scene.objects == (ObjectSpec("circle", "red"),) and hash(scene) == hash(
+        parse_prompt("a red circle")
+    )
+    with pytest.raises(ValueError, match="tuple of ObjectSpec"):
+        Scene("colors", ({"shape": "circle", "color": "red"},))
+
+
 def test_from_dict_rejects_malformed_data_with_the_layout():
     with pytest.raises(ValueError, match="expected a dict like"):
         Scene.from_dict({"category": "colors", "shapes": []})
