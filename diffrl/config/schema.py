@@ -429,6 +429,7 @@ class SftConfig:
     logit_std: float = 1.0  # logit_normal: its std
     mode_scale: float = 1.29  # mode: the scale of the mode-sampling density
     prompt_dropout: float = 0.1  # probability of training a sample on the empty prompt (what CFG needs)
+    data_workers: int = 0  # processes loading/rendering the next steps' images; 0 = in the training process
 
     # diffusers.training_utils.compute_density_for_timestep_sampling / compute_loss_weighting_for_sd3.
     WEIGHTING_SCHEMES = ("logit_normal", "mode", "uniform", "sigma_sqrt", "cosmap")
@@ -440,6 +441,7 @@ class SftConfig:
         _require(
             0.0 <= self.prompt_dropout < 1.0, f"{at}.prompt_dropout", self.prompt_dropout, "must be in [0, 1)"
         )
+        _require_at_least(f"{at}.data_workers", self.data_workers, 0)
 
 
 # ------------------------------------------------------------------------------------- trainer

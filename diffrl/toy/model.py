@@ -3,14 +3,15 @@
 It is a real `StableDiffusion3Pipeline` directory, so it runs through exactly the code the real
 families use (the SD3 adapter, the sampler, the trainer, LoRA, checkpoints, export):
 
-- `SD3Transformer2DModel` on pixels: 3 input/output channels, patch 4 (a 64x64 image is 16x16 =
-  256 tokens), 6 `JointTransformerBlock`s of width 128 (4 heads of 32), RMS qk-norm: ~3.6 M
-  parameters. Pixel space needs no VAE (model_index.json lists `vae` as null); see the SD3 adapter.
+- `SD3Transformer2DModel` on pixels: 3 input/output channels, patch 2 (a 32x32 image is 16x16 =
+  256 tokens), 6 `JointTransformerBlock`s of width 128 (4 heads of 32), RMS qk-norm: ~3.5 M
+  parameters. (A first attempt at 64x64 with patch 4 learned blotchy, speckled images: each
+  token then predicts 48 noisy pixel values; 12 per token at patch 2 train cleanly.) Pixel space needs no VAE (model_index.json lists `vae` as null); see the SD3 adapter.
 - Text: SD3's two CLIP encoders (`CLIPTextModelWithProjection`, 2 layers, width 64, frozen at
   their seeded random init) with the tiny tokenizers of `diffrl.models.tiny_text`, whose
   vocabulary holds every word of the shapes grammar as one token; 16 tokens per prompt. No T5:
   the pipeline then feeds zeros for T5's tokens, so `max_sequence_length` 1 keeps that to one token.
-- Scheduler: flow-match Euler with shift 1 (a 64x64 image has few pixels; no resolution shift).
+- Scheduler: flow-match Euler with shift 1 (a 32x32 image has few pixels; no resolution shift).
 
 `build_toy(path, seed)` writes the random initialisation; `diffrl sft` with the `shapes_sft`
 preset trains it on the renderer's images (docs/shapes.md has the exact command and seed), and the
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 #: Image side the toy model is trained for (it also samples other multiples of the patch size).
-RESOLUTION = 64
+RESOLUTION = 32
 #: CLIP tokens per prompt: the longest shapes prompt has 8 words plus begin/end tokens.
 TEXT_TOKENS = 16
 #: What `rollout.pipeline.max_sequence_length` should be for the toy model: T5 is absent, and the
@@ -62,7 +63,7 @@ def build_toy(path: str | Path, seed: int = 0) -> Path:
         width = 128
         transformer = SD3Transformer2DModel(
             sample_size=RESOLUTION,
-            patch_size=4,
+            patch_size=2,
             in_channels=3,
             out_channels=3,
             num_layers=6,
@@ -71,7 +72,7 @@ def build_toy(path: str | Path, seed: int = 0) -> Path:
             joint_attention_dim=2 * clip_dim,  # the two CLIPs' hidden states side by side
             caption_projection_dim=width,
             pooled_projection_dim=2 * clip_dim,  # the two CLIP projections side by side
-            pos_embed_max_size=RESOLUTION // 4,
+            pos_embed_max_size=RESOLUTION // 2,
             qk_norm="rms_norm",
         )
         pipe = StableDiffusion3Pipeline(

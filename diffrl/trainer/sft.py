@@ -27,17 +27,16 @@ import torch
 from PIL import Image
 
 from diffrl.config import load_config
-from diffrl.config.schema import Config, ConfigError
+from diffrl.config.schema import Config
 from diffrl.data import PromptRecord, PromptSampler
-from diffrl.seeding import SFT_STREAM, numpy_rng
+from diffrl.data.images import SHAPES, load_image_rows
+from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.trainer.run import preflight_common, prepare_run, worker_session
 from diffrl.trainer.sharding import write_json
 from diffrl.trainer.validation import run_validation
 from diffrl.workers.group import WorkerGroup
 from diffrl.workers.roles import ImageShard
-
-SHAPES = "shapes"
 
 
 class SupervisedTrainer:
@@ -65,11 +64,14 @@ class SupervisedTrainer:
         self.val_records = list(val_records)
         self.step = 0
         self.timer = PhaseTimer()
+        self.data_state = self.sampler.state_dict()
+        self.loader = ImageLoader(cfg, self.sampler)
 
     def resume(self, checkpoint: Path) -> None:
         extra = self.workers.call("load", str(checkpoint))[0]
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["data"])
+        self.data_state = extra["data"]
         print(f"resumed from {checkpoint} at step {self.step}")
 
     def fit(self) -> dict[str, float]:
@@ -91,7 +93,7 @@ class SupervisedTrainer:
                 metrics.update(last_val)
             if self.step == cfg.total_steps or (cfg.save_freq and self.step % cfg.save_freq == 0):
                 with self.timer.phase("checkpoint"):
-                    extra = {"step": self.step, "data": self.sampler.state_dict()}
+                    extra = {"step": self.step, "data": self.data_state}
                     self.workers.call(
                         "save", str(self.run_dir / "checkpoints"), self.step, extra, cfg.keep_checkpoints
                     )
@@ -103,8 +105,7 @@ class SupervisedTrainer:
         cfg, world = self.cfg, self.workers.size
         self.timer.reset()
         with self.timer.phase("data"):
-            records = [record for _, record in self.sampler.next_batch()]
-            pixels = load_images(cfg, records, self.step)
+            records, pixels, self.data_state = self.loader.next(self.step)
         per_worker = len(records) // world
         shards = [
             ImageShard(
@@ -121,7 +122,7 @@ class SupervisedTrainer:
             step_metrics = self.workers.call("optim_step")[0]
         metrics = {f"actor/{key}": value for key, value in {**results[0], **step_metrics}.items()}
         metrics.update(self.timer.metrics(len(records), world))
-        metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
+        metrics["train/epoch"] = float(self.data_state["epoch"])
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -131,26 +132,63 @@ class SupervisedTrainer:
 
 
 # ---------------------------------------------------------------------------------- images
-def load_images(cfg: Config, records: Sequence[PromptRecord], step: int) -> torch.Tensor:
-    """uint8 [B, 3, H, W] images of `records` at the configured size (rendered or read from disk)."""
-    pipe = cfg.rollout.pipeline
-    images = []
-    for index, record in enumerate(records):
-        if cfg.sft.images == SHAPES:
-            from diffrl.toy.grammar import Scene
-            from diffrl.toy.render import render
+class ImageLoader:
+    """The images of the coming steps, loaded `sft.data_workers` processes wide and a few steps
+    ahead while the current step trains; in the training process when data_workers is 0.
 
-            if pipe.height != pipe.width:
-                raise ConfigError(
-                    f"the shapes renderer draws square images; got {pipe.height}x{pipe.width} "
-                    "(rollout.pipeline.height and width)"
-                )
-            rng = numpy_rng(SFT_STREAM, cfg.trainer.seed, step, index, 1)
-            array = render(Scene.from_dict(record.metadata["scene"]), size=pipe.height, generator=rng)
+    The data sampler runs ahead with it, so each queued step keeps the sampler state that follows
+    its rows: the checkpoint of step s stores that state, and a resumed run continues exactly.
+    Image i of step s renders from the seed (SFT_STREAM, seed, s, i, 1).
+    """
+
+    def __init__(self, cfg: Config, sampler: PromptSampler, depth: int = 3):
+        self.cfg, self.sampler = cfg, sampler
+        self.workers = cfg.sft.data_workers
+        self.depth = depth if self.workers else 1
+        self.pool = None
+        if self.workers:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # spawn: the training process may hold CUDA state, which a forked child must not inherit.
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        self.queue: list[tuple[int, list[PromptRecord], dict, list]] = []
+
+    def next(self, step: int) -> tuple[list[PromptRecord], torch.Tensor, dict]:
+        """(records, uint8 [B, 3, H, W] images, sampler state after them) of `step`."""
+        while len(self.queue) < self.depth:
+            self._submit(step + len(self.queue))
+        queued_step, records, state, parts = self.queue.pop(0)
+        assert queued_step == step, (queued_step, step)
+        arrays = [p.result() if hasattr(p, "result") else p for p in parts]
+        pixels = torch.from_numpy(np.concatenate(arrays)).permute(0, 3, 1, 2).contiguous()
+        return records, pixels, state
+
+    def _submit(self, step: int) -> None:
+        cfg, pipe = self.cfg, self.cfg.rollout.pipeline
+        records = [record for _, record in self.sampler.next_batch()]
+        state = self.sampler.state_dict()
+        if cfg.sft.images == SHAPES:
+            rows = [r.metadata["scene"] for r in records]
         else:
-            array = read_image(record, cfg.sft.images, pipe.height, pipe.width)
-        images.append(torch.from_numpy(array).permute(2, 0, 1))
-    return torch.stack(images)
+            rows = [str(image_file(r, cfg.sft.images)) for r in records]
+        seeds = [derive_seed(SFT_STREAM, cfg.trainer.seed, step, i, 1) for i in range(len(records))]
+        args = (cfg.sft.images, rows, pipe.height, pipe.width, seeds)
+        if self.pool is None:
+            parts = [load_image_rows(*args)]
+        else:
+            chunk = -(-len(rows) // self.workers)
+            parts = [
+                self.pool.submit(
+                    load_image_rows, args[0], rows[i : i + chunk], args[2], args[3], seeds[i : i + chunk]
+                )
+                for i in range(0, len(rows), chunk)
+            ]
+        self.queue.append((step, records, state, parts))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
 
 
 def image_file(record: PromptRecord, column: str) -> Path:
@@ -179,11 +217,6 @@ def check_image(record: PromptRecord, column: str, height: int, width: int) -> P
                 "(rollout.pipeline.width x height): resize the dataset's images, or change the size"
             )
     return path
-
-
-def read_image(record: PromptRecord, column: str, height: int, width: int) -> np.ndarray:
-    with Image.open(check_image(record, column, height, width)) as image:
-        return np.array(image.convert("RGB"))
 
 
 # ---------------------------------------------------------------------------------- command
@@ -231,7 +264,10 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
         )
         if checkpoint is not None:
             trainer.resume(checkpoint)
-        final_validation = trainer.fit()
+        try:
+            final_validation = trainer.fit()
+        finally:
+            trainer.loader.close()
         model_dir = workers.call("export_pipeline", str(run_dir / "model"))[0]
         write_json(
             run_dir / "summary.json",
@@ -241,4 +277,4 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
     return run_dir
 
 
-__all__ = ["SupervisedTrainer", "load_images", "sft"]
+__all__ = ["ImageLoader", "SupervisedTrainer", "sft"]
