@@ -196,3 +196,35 @@ def test_planned_keys_are_rejected_not_ignored(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         train("tiny_sd3", [f"trainer.output_dir={tmp_path}", "trainer.run_name=x", override])
     assert not (tmp_path / "x").exists()
+
+
+def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch):
+    """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), shrunk
+    to two small steps: it completes, validates before and after, and writes the report."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    run_dir = train(
+        None,
+        [
+            "trainer.total_steps=2",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=default",
+            "data.prompts_per_step=2",
+            "rollout.n=4",
+            "rollout.micro_batch_size=8",
+            "actor.mini_batch_size=8",
+            "actor.micro_batch_size=8",
+            "rollout.pipeline.num_inference_steps=4",
+            "rollout.sde.window_range=[0,3]",
+            "rollout.val.n=1",
+        ],
+    )
+    metrics = read_metrics(run_dir)
+    assert 0 <= metrics[0]["val/rewards/shapes/accuracy_mean"] <= 1
+    assert 0 <= metrics[2]["val/position/accuracy"] <= 1
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (report["before_step"], report["after_step"]) == (0, 2)
+    assert set(report["before"]) == set(report["after"])
+    for name in ("before_after.png", "reward_curve.png", "summary.json"):
+        assert (run_dir / name).is_file(), name
