@@ -180,7 +180,7 @@ def test_window_must_fit_the_steps():
 
 
 def test_batch_sizes_must_nest():
-    # default preset: 4 prompts × 8 samples = 32 trajectories per step, mini-batch 32, micro 16
+    # default preset: 4 prompts × 8 samples = 32 trajectories per step, mini-batch 32, micro 32
     with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=12 is invalid: .*mini_batch_size=32"):
         load_config("default", ["actor.micro_batch_size=12"])
     with pytest.raises(
@@ -192,7 +192,13 @@ def test_batch_sizes_must_nest():
     # micro-batches are per worker: 2 workers × 16 no longer divide a mini-batch of 16
     with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=16 is invalid: × the 2 worker"):
         load_config(
-            "default", ["actor.mini_batch_size=16", "trainer.n_gpus_per_node=2", "actor.strategy=fsdp2"]
+            "default",
+            [
+                "actor.mini_batch_size=16",
+                "actor.micro_batch_size=16",
+                "trainer.n_gpus_per_node=2",
+                "actor.strategy=fsdp2",
+            ],
         )
     with pytest.raises(ConfigError, match=r"actor\.strategy='none' is invalid: must be fsdp2 with 2 workers"):
         load_config("default", ["actor.micro_batch_size=8", "trainer.n_gpus_per_node=2"])
