@@ -1,0 +1,114 @@
+import shutil
+import subprocess
+
+import pytest
+
+from diffrl.cli import main
+from diffrl.config import load_config, preset_names
+
+
+def test_config_prints_the_default_resolved_config(capsys):
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout:\n" in out and "noise_level: 0.7" in out
+    assert "#   images_per_step: 32" in out  # derived values, as comments
+
+
+def test_config_with_overrides(capsys):
+    assert main(["config", "default", "rollout.sde.noise_level=0.9", "trainer.total_steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert "noise_level: 0.9" in out and "total_steps: 5" in out
+
+
+def test_config_overrides_without_preset_use_the_default(capsys):
+    assert main(["config", "trainer.total_steps=5"]) == 0
+    assert "total_steps: 5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["config", "nosuch"], "unknown preset 'nosuch'"),
+        (["config", "default", "rollout.sde.noise_levle=1"], "Did you mean 'noise_level'?"),
+        (
+            ["config", "default", "actor.loss.clip_ratio=0"],
+            "actor.loss.clip_ratio=0.0 is invalid: must be > 0",
+        ),
+    ],
+)
+def test_config_errors_exit_nonzero_with_a_message_not_a_traceback(argv, expected, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert expected in captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_presets_lists_every_preset_with_its_summary(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in preset_names():
+        assert name in out
+    assert "Flow-GRPO on the shapes world on a CPU" in out
+
+
+def test_console_script_is_installed_and_returns_exit_codes():
+    exe = shutil.which("diffrl")
+    assert exe is not None, "the `diffrl` console script is not installed: pip install -e ."
+    ok = subprocess.run([exe, "config"], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and "trainer:" in ok.stdout
+    bad = subprocess.run([exe, "config", "nosuch"], capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "unknown preset" in bad.stderr
+    helped = subprocess.run([exe, "--help"], capture_output=True, text=True, check=False)
+    assert helped.returncode == 0 and "presets" in helped.stdout and "config" in helped.stdout
+
+
+def test_printed_config_round_trips(capsys, tmp_path):
+    assert main(["config", "default", "actor.optim.lr=2e-4"]) == 0
+    path = tmp_path / "printed.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_config(str(path)) == load_config("default", ["actor.optim.lr=2e-4"])
+
+
+@pytest.mark.parametrize(
+    ("family", "suffix", "extra"), [("sd3", ".png", []), ("wan", ".gif", ["--num-frames", "5"])]
+)
+def test_sample_writes_files_and_a_manifest(tiny_model, tmp_path, capsys, family, suffix, extra):
+    import json
+
+    from PIL import Image
+
+    out = tmp_path / "samples"
+    argv = [
+        "sample",
+        "--model",
+        str(tiny_model(family)),
+        "--prompt",
+        "a red circle",
+        "--prompt",
+        "a blue square",
+    ]
+    argv += ["-n", "2", "--out", str(out), "--steps", "3", "--height", "32", "--width", "32", *extra]
+    assert main(argv) == 0
+    assert "wrote 4 file(s)" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in rows] == [
+        ("a red circle", 0),
+        ("a red circle", 1),
+        ("a blue square", 0),
+        ("a blue square", 1),
+    ]
+    for row in rows:
+        image = Image.open(out / row["file"])
+        assert row["file"].endswith(suffix) and image.size == (32, 32)
+    # the same command gives the same pixels
+    first = (out / rows[0]["file"]).read_bytes()
+    assert main([*argv[: -len(extra) or None], *extra]) == 0
+    assert (out / rows[0]["file"]).read_bytes() == first
+
+
+def test_sample_errors_are_clear(tmp_path, capsys):
+    assert main(["sample", "--model", str(tmp_path / "none"), "--prompt", "x", "--out", str(tmp_path)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["sample", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "no prompts" in capsys.readouterr().err
