@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -47,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from diffrl.train.distributed import barrier, is_distributed, world_size
+from diffrl.train.distributed import rank as process_rank
 from diffrl.train.export import adapter_key_predicate, lora_adapter_names
 
 FORMAT_VERSION = 1
@@ -59,28 +60,11 @@ _LORA_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
 
 
 # ---------------------------------------------------------------------------------- process group
-def _is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _is_dist() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _is_dist() else 1
-
-
-def _barrier() -> None:
-    if _is_dist():
-        dist.barrier()
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     """Without a process group DCP warns that it assumes a single process, which is the intent here."""
     with warnings.catch_warnings():
-        if not _is_dist():
+        if not is_distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
 
@@ -219,7 +203,7 @@ def save_checkpoint(
     root = Path(ckpt_dir_root)
     final = step_dir(root, step)
     tmp = root / f"{_TMP_PREFIX}{final.name}"
-    rank = _rank()
+    rank = process_rank()
 
     state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     # An optimizer that has not stepped has no state; asking DCP for one would initialise it with a
@@ -234,10 +218,10 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
         tmp.mkdir()
-    _barrier()
+    barrier()
 
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not _is_dist())
+        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
     (tmp / "rng").mkdir(exist_ok=True)
     rng = io.BytesIO()
     torch.save(_rng_state(), rng)
@@ -250,12 +234,12 @@ def save_checkpoint(
             "adapters": _lora_summary(model),
             "has_optimizer_state": has_optimizer_state,
             "has_scheduler": scheduler is not None,
-            "world_size": _world_size(),
+            "world_size": world_size(),
             "torch_version": torch.__version__,
         }
         _write_durable(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True).encode())
         _write_durable(tmp / "extra.json", extra_json.encode())
-    _barrier()  # every rank's shards and RNG file are on disk
+    barrier()  # every rank's shards and RNG file are on disk
 
     if rank == 0:
         _fsync_dir(tmp / "rng")
@@ -268,7 +252,7 @@ def save_checkpoint(
         if keep_last is not None:
             _prune(root, keep_last, protect=final)
         _remove_leftovers(root)
-    _barrier()
+    barrier()
     return final
 
 
@@ -455,11 +439,11 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint {str(path)!r} was saved without a scheduler state: pass scheduler=None to load it"
         )
-    rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-    if restore_rng and (meta["world_size"] != _world_size() or not rng_file.is_file()):
+    rng_file = path / "rng" / f"rank_{process_rank():05d}.pt"
+    if restore_rng and (meta["world_size"] != world_size() or not rng_file.is_file()):
         raise ValueError(
             f"checkpoint {str(path)!r} was saved by {meta['world_size']} rank(s) and this run has "
-            f"{_world_size()}: RNG states are per rank; resume with the same world size, or pass "
+            f"{world_size()}: RNG states are per rank; resume with the same world size, or pass "
             "restore_rng=False (weights, optimizer and scheduler still load; DCP reshards them)"
         )
 
@@ -471,7 +455,7 @@ def load_checkpoint(
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not _is_dist())
+        dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
 
     # Not strict for adapters: the frozen base weights are deliberately absent from the state.
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not trainable_only))

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from diffrl.train.distributed import barrier, rank
 
 
 # ---------------------------------------------------------------------------------- adapters
@@ -70,14 +71,6 @@ def _require_adapters(module: nn.Module, what: str) -> list[str]:
             "trainable_only=False)"
         )
     return names
-
-
-def _is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _is_rank0() -> bool:
-    return not _is_dist() or dist.get_rank() == 0
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,7 +145,7 @@ def export_lora(
         for key, value in get_peft_model_state_dict(transformer, adapter_name=adapter_name).items()
     }
     out = Path(out_dir)
-    if _is_rank0():
+    if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         pipeline_class.save_lora_weights(
             str(out),
@@ -160,8 +153,7 @@ def export_lora(
             transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
             is_main_process=True,
         )
-    if _is_dist():
-        dist.barrier()
+    barrier()
     return out
 
 
@@ -205,7 +197,7 @@ def export_full(
         transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     out = Path(out_dir)
-    if _is_rank0():
+    if rank() == 0:
         # Without sharding the state dict's tensors are the module's own; the merge writes into the
         # copy's weights, so give the copy its own storage (one tensor at a time: bounded peak).
         for key in list(state):
@@ -225,6 +217,5 @@ def export_full(
         out.mkdir(parents=True, exist_ok=True)
         clone.save_pretrained(str(out), safe_serialization=True)
         del clone, state
-    if _is_dist():
-        dist.barrier()
+    barrier()
     return out

@@ -231,12 +231,13 @@ class ActorWorker:
         import shutil
 
         from diffrl.models import resolve_model_path
+        from diffrl.train.distributed import rank
         from diffrl.train.export import export_full
 
         out = Path(out_dir)
         staging = out.with_name(out.name + ".partial")
         export_full(self.engine.transformer, staging / "transformer", merge=self.engine.lora)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        if rank() == 0:
             for name, component in self.engine.adapter.pipe.components.items():
                 if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
                     component.save_pretrained(staging / name)
