@@ -27,88 +27,26 @@ import torch
 
 from diffrl.algos import advantage_metrics, get_advantage_estimator
 from diffrl.config.schema import Config
-from diffrl.data import PromptRecord, PromptSampler
+from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
 from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
-from diffrl.telemetry import PhaseTimer, RunLogger, mfu_metrics, peak_flops
+from diffrl.telemetry import mfu_metrics, peak_flops
 from diffrl.train.engine import POLICY, REFERENCE
+from diffrl.trainer.loop import TrainingLoop
 from diffrl.trainer.sharding import concat_rollouts, prompt_shard, split_even
-from diffrl.trainer.validation import run_validation
-from diffrl.workers.group import WorkerGroup
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
 
-class PolicyGradientTrainer:
+class PolicyGradientTrainer(TrainingLoop):
     """Runs `cfg` with `workers` (HybridWorkers, one per GPU or CPU worker) and `rewards`."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        run_dir: Path,
-        *,
-        workers: WorkerGroup,
-        rewards: Any,
-        train_records: Sequence[PromptRecord],
-        val_records: Sequence[PromptRecord],
-        logger: RunLogger,
-        reuse_rollout_log_probs: bool,
-    ):
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.workers = workers
-        self.rewards = rewards
-        self.logger = logger
-        self.sampler = PromptSampler(
-            list(train_records), cfg.data.prompts_per_step, seed=cfg.data_seed, shuffle=cfg.data.shuffle
-        )
-        self.val_records = list(val_records)
+    def __init__(self, cfg: Config, run_dir: Path, *, reuse_rollout_log_probs: bool, **loop_args: Any):
+        super().__init__(cfg, run_dir, **loop_args)
         self.reuse_rollout_log_probs = reuse_rollout_log_probs
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.step = 0
-        self.last_validation_step: int | None = None
-        self.timer = PhaseTimer()
         self.peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
-
-    # ------------------------------------------------------------------------------ run
-    def resume(self, checkpoint: Path) -> None:
-        extras = self.workers.call("load", str(checkpoint))
-        extra = extras[0]
-        self.step = int(extra["step"])
-        self.sampler.load_state_dict(extra["data"])
-        print(f"resumed from {checkpoint} at step {self.step}")
-
-    def fit(self) -> dict[str, float]:
-        cfg = self.cfg.trainer
-        last_val: dict[str, float] = {}
-        if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
-            last_val = self.validate()
-            self.logger.log(0, last_val)
-        while self.step < cfg.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            if (
-                cfg.test_freq
-                and self.val_records
-                and (self.step % cfg.test_freq == 0 or self.step == cfg.total_steps)
-            ):
-                with self.timer.phase("validation"):
-                    last_val = self.validate()
-                metrics.update(last_val)
-                metrics.update(self.timer.metrics(0, 1, only=("validation",)))
-            if self.step == cfg.total_steps or (cfg.save_freq and self.step % cfg.save_freq == 0):
-                with self.timer.phase("checkpoint"):
-                    self.save()
-                metrics.update(self.timer.metrics(0, 1, only=("checkpoint",)))
-            self.logger.log(self.step, metrics)
-        return last_val
-
-    def save(self) -> None:
-        extra = {"step": self.step, "data": self.sampler.state_dict()}
-        self.workers.call(
-            "save", str(self.run_dir / "checkpoints"), self.step, extra, self.cfg.trainer.keep_checkpoints
-        )
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -204,15 +142,6 @@ class PolicyGradientTrainer:
         means = {key: value / count for key, value in sums.items()}
         means["actor/skipped_steps"] = step_metrics["skipped_steps"]  # a running count, not an average
         return means
-
-    # ------------------------------------------------------------------------------ validation
-    def validate(self) -> dict[str, float]:
-        """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid."""
-        metrics = run_validation(
-            self.cfg, self.workers, self.rewards, self.val_records, self.run_dir, self.step, self.logger
-        )
-        self.last_validation_step = self.step
-        return metrics
 
     def _flops(self, rollout: Rollout) -> dict[str, float]:
         """Model FLOPs of this step's phases, from the adapter's analytic count (via a worker)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from diffrl.data import PromptRecord, load_prompts
 from diffrl.models import read_model_index
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint
+from diffrl.trainer.loop import TrainingLoop
 from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.trainer.sharding import write_json
 from diffrl.workers.group import WorkerGroup
@@ -117,14 +119,13 @@ def reuse_rollout_log_probs(cfg: Config) -> bool:
 
 
 @contextmanager
-def worker_session(cfg: Config, worker_cls: type | None = None) -> Iterator[tuple[WorkerGroup, Any]]:
+def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
     exit, also when starting one of them failed."""
     from diffrl.rewards.workers import create_reward_workers
     from diffrl.workers.group import InProcessGroup, RayGroup, ensure_ray
     from diffrl.workers.roles import HybridWorker
 
-    worker_cls = worker_cls or HybridWorker
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
     started_ray, workers, rewards = False, None, None
@@ -137,9 +138,9 @@ def worker_session(cfg: Config, worker_cls: type | None = None) -> Iterator[tupl
                 num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
             )
             gpus = 1.0 if torch.cuda.is_available() else 0.0
-            workers = RayGroup(worker_cls, world, cfg, num_cpus=1.0, num_gpus=gpus)
+            workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus)
         else:
-            workers = InProcessGroup(worker_cls, 1, cfg, synchronous=True)
+            workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True)
         rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
         yield workers, rewards
     finally:
@@ -169,14 +170,24 @@ def prepare_run(cfg: Config, source: str | None) -> tuple[Path, str, Path | None
     return run_dir, run_name, checkpoint
 
 
-def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
-    """Run a training job; returns its run directory."""
-    cfg = load_config(source, overrides)
-    train_records, val_records = preflight(cfg)
-    run_dir, run_name, checkpoint = prepare_run(cfg, source)
-    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+@dataclass
+class Job:
+    """A started run: its directory, the checkpoint it resumes from, workers, rewards and logger."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    workers: WorkerGroup
+    rewards: Any
+    logger: Any
+
+
+@contextmanager
+def job(cfg: Config, source: str | None) -> Iterator[Job]:
+    """Create (or reopen) the run directory, start the workers and the loggers; stop them on exit."""
     from diffrl.telemetry import RunLogger
 
+    run_dir, run_name, checkpoint = prepare_run(cfg, source)
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
     with (
         worker_session(cfg) as (workers, rewards),
         RunLogger(
@@ -187,28 +198,33 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             run_name=run_name,
         ) as logger,
     ):
+        yield Job(run_dir, checkpoint, workers, rewards, logger)
+
+
+def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
+    """Resume `loop` from `checkpoint` (if any), run it, and return its summary."""
+    if checkpoint is not None:
+        loop.resume(checkpoint)
+    return loop.summary(loop.fit())
+
+
+def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
+    """Run a training job; returns its run directory."""
+    cfg = load_config(source, overrides)
+    train_records, val_records = preflight(cfg)
+    with job(cfg, source) as j:
         trainer = PolicyGradientTrainer(
             cfg,
-            run_dir,
-            workers=workers,
-            rewards=rewards,
+            j.run_dir,
+            workers=j.workers,
+            rewards=j.rewards,
             train_records=train_records,
             val_records=val_records,
-            logger=logger,
+            logger=j.logger,
             reuse_rollout_log_probs=reuse_rollout_log_probs(cfg),
         )
-        if checkpoint is not None:
-            trainer.resume(checkpoint)
-        final_validation = trainer.fit()
-        write_json(
-            run_dir / "summary.json",
-            {
-                "steps": trainer.step,
-                "validation_step": trainer.last_validation_step,
-                "validation": final_validation,
-            },
-        )
+        write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
     from diffrl.telemetry.report import write_report
 
-    print(write_report(run_dir))
-    return run_dir
+    print(write_report(j.run_dir))
+    return j.run_dir

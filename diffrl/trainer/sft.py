@@ -31,75 +31,33 @@ from diffrl.config.schema import Config
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
 from diffrl.seeding import SFT_STREAM, derive_seed
-from diffrl.telemetry import PhaseTimer, RunLogger
-from diffrl.trainer.run import preflight_common, prepare_run, worker_session
+from diffrl.trainer.loop import TrainingLoop
+from diffrl.trainer.run import job, preflight_common, run_loop
 from diffrl.trainer.sharding import write_json
-from diffrl.trainer.validation import run_validation
-from diffrl.workers.group import WorkerGroup
 from diffrl.workers.roles import ImageShard
 
 
-class SupervisedTrainer:
+class SupervisedTrainer(TrainingLoop):
     """Runs `diffrl sft` for `cfg` on `workers` (see the module docstring)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        run_dir: Path,
-        *,
-        workers: WorkerGroup,
-        rewards: Any,
-        train_records: Sequence[PromptRecord],
-        val_records: Sequence[PromptRecord],
-        logger: RunLogger,
-    ):
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.workers = workers
-        self.rewards = rewards
-        self.logger = logger
-        self.sampler = PromptSampler(
-            list(train_records), cfg.data.prompts_per_step, seed=cfg.data_seed, shuffle=cfg.data.shuffle
-        )
-        self.val_records = list(val_records)
-        self.step = 0
-        self.timer = PhaseTimer()
-        self.data_state = self.sampler.state_dict()
+    def __init__(self, cfg: Config, run_dir: Path, **loop_args: Any):
+        super().__init__(cfg, run_dir, **loop_args)
         self.loader = ImageLoader(cfg, self.sampler)
+        # The loader runs the sampler ahead; this is the position after the current step's rows.
+        self.data_state = self.sampler.state_dict()
+
+    def data_position(self) -> dict:
+        return self.data_state
 
     def resume(self, checkpoint: Path) -> None:
-        extra = self.workers.call("load", str(checkpoint))[0]
-        self.step = int(extra["step"])
-        self.sampler.load_state_dict(extra["data"])
-        self.data_state = extra["data"]
-        print(f"resumed from {checkpoint} at step {self.step}")
+        super().resume(checkpoint)
+        self.data_state = self.sampler.state_dict()
 
     def fit(self) -> dict[str, float]:
-        cfg = self.cfg.trainer
-        last_val: dict[str, float] = {}
-        if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
-            last_val = self.validate()
-            self.logger.log(0, last_val)
-        while self.step < cfg.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            if (
-                cfg.test_freq
-                and self.val_records
-                and (self.step % cfg.test_freq == 0 or self.step == cfg.total_steps)
-            ):
-                with self.timer.phase("validation"):
-                    last_val = self.validate()
-                metrics.update(last_val)
-            if self.step == cfg.total_steps or (cfg.save_freq and self.step % cfg.save_freq == 0):
-                with self.timer.phase("checkpoint"):
-                    extra = {"step": self.step, "data": self.data_state}
-                    self.workers.call(
-                        "save", str(self.run_dir / "checkpoints"), self.step, extra, cfg.keep_checkpoints
-                    )
-            metrics.update(self.timer.metrics(0, 1, only=("validation", "checkpoint")))
-            self.logger.log(self.step, metrics)
-        return last_val
+        try:
+            return super().fit()
+        finally:
+            self.loader.close()
 
     def train_step(self) -> dict[str, float]:
         cfg, world = self.cfg, self.workers.size
@@ -124,11 +82,6 @@ class SupervisedTrainer:
         metrics.update(self.timer.metrics(len(records), world))
         metrics["train/epoch"] = float(self.data_state["epoch"])
         return metrics
-
-    def validate(self) -> dict[str, float]:
-        return run_validation(
-            self.cfg, self.workers, self.rewards, self.val_records, self.run_dir, self.step, self.logger
-        )
 
 
 # ---------------------------------------------------------------------------------- images
@@ -237,44 +190,24 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
 
 def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
     """Run a supervised flow-matching job; returns its run directory (the model is in `model/`)."""
-    from omegaconf import OmegaConf
-
-    cfg = load_config(source or "shapes_sft", overrides, job="sft")
+    source = source or "shapes_sft"
+    cfg = load_config(source, overrides, job="sft")
     train_records, val_records = preflight(cfg)
-    run_dir, run_name, checkpoint = prepare_run(cfg, source or "shapes_sft")
-    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    with (
-        worker_session(cfg) as (workers, rewards),
-        RunLogger(
-            run_dir,
-            cfg.trainer.loggers,
-            total_steps=cfg.trainer.total_steps,
-            config=config_dict,
-            run_name=run_name,
-        ) as logger,
-    ):
+    with job(cfg, source) as j:
         trainer = SupervisedTrainer(
             cfg,
-            run_dir,
-            workers=workers,
-            rewards=rewards,
+            j.run_dir,
+            workers=j.workers,
+            rewards=j.rewards,
             train_records=train_records,
             val_records=val_records,
-            logger=logger,
+            logger=j.logger,
         )
-        if checkpoint is not None:
-            trainer.resume(checkpoint)
-        try:
-            final_validation = trainer.fit()
-        finally:
-            trainer.loader.close()
-        model_dir = workers.call("export_pipeline", str(run_dir / "model"))[0]
-        write_json(
-            run_dir / "summary.json",
-            {"steps": trainer.step, "validation": final_validation, "model": model_dir},
-        )
-    print(f"model written to {model_dir}")
-    return run_dir
+        summary = run_loop(trainer, j.checkpoint)
+        summary["model"] = j.workers.call("export_pipeline", str(j.run_dir / "model"))[0]
+        write_json(j.run_dir / "summary.json", summary)
+    print(f"model written to {summary['model']}")
+    return j.run_dir
 
 
 __all__ = ["ImageLoader", "SupervisedTrainer", "sft"]

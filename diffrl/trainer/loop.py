@@ -1,0 +1,113 @@
+"""What every single-controller loop shares: the step schedule, validation, checkpoints, resume.
+
+A loop subclasses `TrainingLoop` and implements `train_step()` (one step's work, returning its
+metrics). `fit()` then runs the schedule the config describes:
+
+    validation at step 0 (trainer.val_before_train), then for each step: train_step,
+    validation every trainer.test_freq steps and at the last step, a checkpoint every
+    trainer.save_freq steps and at the last step, one metrics record.
+
+A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
+run continues exactly where the interrupted one would have been.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diffrl.config.schema import Config
+from diffrl.data import PromptRecord, PromptSampler
+from diffrl.telemetry import PhaseTimer, RunLogger
+from diffrl.trainer.validation import run_validation
+from diffrl.workers.group import WorkerGroup
+
+
+class TrainingLoop:
+    """The shared part of `diffrl train` and `diffrl sft` (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        *,
+        workers: WorkerGroup,
+        rewards: Any,
+        train_records: Sequence[PromptRecord],
+        val_records: Sequence[PromptRecord],
+        logger: RunLogger,
+    ):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.workers = workers
+        self.rewards = rewards
+        self.logger = logger
+        self.sampler = PromptSampler(
+            list(train_records), cfg.data.prompts_per_step, seed=cfg.data_seed, shuffle=cfg.data.shuffle
+        )
+        self.val_records = list(val_records)
+        self.step = 0
+        self.last_validation_step: int | None = None
+        self.timer = PhaseTimer()
+
+    def train_step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def data_position(self) -> dict:
+        """The sampler state a checkpoint of the current step stores."""
+        return self.sampler.state_dict()
+
+    # ------------------------------------------------------------------------------ run
+    def resume(self, checkpoint: Path) -> None:
+        extra = self.workers.call("load", str(checkpoint))[0]
+        self.step = int(extra["step"])
+        self.sampler.load_state_dict(extra["data"])
+        print(f"resumed from {checkpoint} at step {self.step}")
+
+    def fit(self) -> dict[str, float]:
+        """Run the remaining steps; returns the last validation's metrics."""
+        cfg = self.cfg.trainer
+        last_val: dict[str, float] = {}
+        if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
+            last_val = self.validate()
+            self.logger.log(0, last_val)
+        while self.step < cfg.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            last_step = self.step == cfg.total_steps
+            if cfg.test_freq and self.val_records and (self.step % cfg.test_freq == 0 or last_step):
+                with self.timer.phase("validation"):
+                    last_val = self.validate()
+                metrics.update(last_val)
+            if last_step or (cfg.save_freq and self.step % cfg.save_freq == 0):
+                with self.timer.phase("checkpoint"):
+                    self.save()
+            metrics.update(self.timer.metrics(0, 1, only=("validation", "checkpoint")))
+            self.logger.log(self.step, metrics)
+        return last_val
+
+    def save(self) -> None:
+        extra = {"step": self.step, "data": self.data_position()}
+        self.workers.call(
+            "save", str(self.run_dir / "checkpoints"), self.step, extra, self.cfg.trainer.keep_checkpoints
+        )
+
+    def validate(self) -> dict[str, float]:
+        """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid."""
+        metrics = run_validation(
+            self.cfg, self.workers, self.rewards, self.val_records, self.run_dir, self.step, self.logger
+        )
+        self.last_validation_step = self.step
+        return metrics
+
+    def summary(self, final_validation: dict[str, float]) -> dict[str, Any]:
+        """What summary.json records at the end of the run."""
+        return {
+            "steps": self.step,
+            "validation_step": self.last_validation_step,
+            "validation": final_validation,
+        }
+
+
+__all__ = ["TrainingLoop"]
