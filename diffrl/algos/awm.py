@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diffrl.algos.base import CLIP_RATIO_METRICS, clip_ratio_stats, ppo_clip_terms
 from diffrl.algos.registry import register_loss
 
 if TYPE_CHECKING:
@@ -61,16 +62,7 @@ if TYPE_CHECKING:
 AWM_WEIGHTINGS = ("uniform", "sigma", "sigma_sq", "ghuber")
 GHUBER_DELTA = 1e-10
 
-METRIC_NAMES = (
-    "policy_loss",
-    "matching_loss",
-    "ppo_kl",
-    "clipfrac",
-    "clipfrac_higher",
-    "clipfrac_lower",
-    "ratio_mean",
-    "ratio_std",
-)
+METRIC_NAMES = ("policy_loss", "matching_loss", *CLIP_RATIO_METRICS)
 
 
 @dataclass
@@ -195,7 +187,7 @@ class AWMLoss:
         adv_B = batch.advantages_B.detach().double().clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
         log_ratio_B = log_lik_B - old_log_lik_B
         ratio_B = torch.exp(log_ratio_B)
-        policy_B = torch.maximum(-adv_B * ratio_B, -adv_B * ratio_B.clamp(1.0 - eps, 1.0 + eps))
+        policy_B = ppo_clip_terms(adv_B, ratio_B, eps)
         if batch.weights_B is not None:
             policy_B = policy_B * batch.weights_B.detach().double()
         # fp32 for a bf16/fp32 network, fp64 stays fp64
@@ -222,12 +214,7 @@ class AWMLoss:
                 [
                     policy_loss.detach().double(),
                     err_B.detach().mean(),
-                    (-log_ratio_B.detach()).mean(),
-                    ((ratio_B - 1.0).abs() > eps).double().mean(),
-                    (ratio_B > 1.0 + eps).double().mean(),
-                    (ratio_B < 1.0 - eps).double().mean(),
-                    ratio_B.mean(),
-                    ratio_B.std(correction=0),
+                    *clip_ratio_stats(log_ratio_B, ratio_B, eps),
                     *extra.values(),
                 ]
             ).tolist()  # one device sync

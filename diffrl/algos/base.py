@@ -67,6 +67,55 @@ class LossInputs:
         return self.advantages_B.shape[0]
 
 
+# ------------------------------------------------------------------------ shared by the PPO-style losses
+#: The ratio statistics `clip_ratio_stats` returns, in order.
+CLIP_RATIO_METRICS = ("ppo_kl", "clipfrac", "clipfrac_higher", "clipfrac_lower", "ratio_mean", "ratio_std")
+
+
+def check_step_inputs(
+    batch: LossInputs, policy_out: StepOut, loss_name: str, needs_old_mean: bool = False
+) -> None:
+    """The recomputed step and the batch describe the same samples (and the old means exist when
+    the loss needs them); ValueError naming the mismatch otherwise."""
+    if policy_out.log_prob_B.shape != batch.old_log_prob_B.shape:
+        raise ValueError(
+            f"policy_out.log_prob_B has shape {tuple(policy_out.log_prob_B.shape)} but the batch's "
+            f"old_log_prob_B has {tuple(batch.old_log_prob_B.shape)}; they must be the same samples"
+        )
+    if not needs_old_mean:
+        return
+    if batch.old_mean is None:
+        raise ValueError(
+            f"{loss_name} needs batch.old_mean, the old (sampling) policy's SDE mean of this step: the "
+            "rollout's stored means[:, j] when its log-probs are reused, else the recomputed old means"
+        )
+    if batch.old_mean.shape != policy_out.mean.shape:
+        raise ValueError(
+            f"policy_out.mean has shape {tuple(policy_out.mean.shape)} but batch.old_mean has "
+            f"{tuple(batch.old_mean.shape)}; they must be the same samples and latents"
+        )
+
+
+def ppo_clip_terms(adv_B: torch.Tensor, ratio_B: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-sample PPO-clip loss max(−Â·ρ, −Â·clamp(ρ, 1−ε, 1+ε)) (the pessimistic term)."""
+    return torch.maximum(-adv_B * ratio_B, -adv_B * ratio_B.clamp(1.0 - eps, 1.0 + eps))
+
+
+def clip_ratio_stats(log_ratio_B: torch.Tensor, ratio_B: torch.Tensor, eps: float) -> list[torch.Tensor]:
+    """0-d fp64 tensors, in `CLIP_RATIO_METRICS` order: mean(−log ρ) (a first-order KL(old ‖ θ)
+    estimate), the fractions with |ρ − 1| > ε, ρ > 1 + ε, ρ < 1 − ε, and mean and population std
+    of ρ. The clip masks use ρ's own dtype, so they agree with the clamp of `ppo_clip_terms`."""
+    ratio_B, log_ratio_B = ratio_B.detach(), log_ratio_B.detach()
+    return [
+        (-log_ratio_B.double()).mean(),
+        ((ratio_B - 1.0).abs() > eps).double().mean(),
+        (ratio_B > 1.0 + eps).double().mean(),
+        (ratio_B < 1.0 - eps).double().mean(),
+        ratio_B.double().mean(),
+        ratio_B.double().std(correction=0),
+    ]
+
+
 class Loss(Protocol):
     """A registered loss (`@register_loss(name)`): stateless, constructed without arguments."""
 

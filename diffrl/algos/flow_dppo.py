@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffrl.algos.base import LossInputs
+from diffrl.algos.base import LossInputs, check_step_inputs
 from diffrl.algos.registry import register_loss
 
 if TYPE_CHECKING:
@@ -104,22 +104,7 @@ class FlowDPPOLoss:
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        log_prob_B = policy_out.log_prob_B
-        if log_prob_B.shape != batch.old_log_prob_B.shape:
-            raise ValueError(
-                f"policy_out.log_prob_B has shape {tuple(log_prob_B.shape)} but the batch's "
-                f"old_log_prob_B has {tuple(batch.old_log_prob_B.shape)}; they must be the same samples"
-            )
-        if batch.old_mean is None:
-            raise ValueError(
-                "flow_dppo needs batch.old_mean, the old (sampling) policy's SDE mean of this step: the "
-                "rollout's stored means[:, j] when its log-probs are reused, else the recomputed old means"
-            )
-        if batch.old_mean.shape != policy_out.mean.shape:
-            raise ValueError(
-                f"policy_out.mean has shape {tuple(policy_out.mean.shape)} but batch.old_mean has "
-                f"{tuple(batch.old_mean.shape)}; they must be the same samples and latents"
-            )
+        check_step_inputs(batch, policy_out, "flow_dppo", needs_old_mean=True)
         std_B = policy_out.std_B if cfg.add_kl_coefficient else None
         if std_B is not None and not bool((std_B > 0).all()):
             raise ValueError(
@@ -128,7 +113,7 @@ class FlowDPPOLoss:
                 "actor.loss.add_kl_coefficient=false to measure the divergence with τ = 1"
             )
         adv_B = batch.advantages_B.detach().clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
-        log_ratio_B = log_prob_B - batch.old_log_prob_B.detach()
+        log_ratio_B = policy_out.log_prob_B - batch.old_log_prob_B.detach()
         divergence_B = step_divergence(policy_out.mean, batch.old_mean, std_B)
         outside_B, pos_drop_B, neg_drop_B = trust_region_masks(
             adv_B, torch.exp(log_ratio_B.detach()), divergence_B, cfg.kl_mask_threshold

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffrl.algos.base import LossInputs
+from diffrl.algos.base import (
+    CLIP_RATIO_METRICS,
+    LossInputs,
+    check_step_inputs,
+    clip_ratio_stats,
+    ppo_clip_terms,
+)
 from diffrl.algos.registry import register_loss
 
 if TYPE_CHECKING:
@@ -33,15 +39,7 @@ if TYPE_CHECKING:
     from diffrl.sde import StepOut
 
 
-METRIC_NAMES = (
-    "policy_loss",
-    "ppo_kl",
-    "clipfrac",
-    "clipfrac_higher",
-    "clipfrac_lower",
-    "ratio_mean",
-    "ratio_std",
-)
+METRIC_NAMES = ("policy_loss", *CLIP_RATIO_METRICS)
 
 
 @register_loss("flow_grpo")
@@ -61,36 +59,19 @@ class FlowGRPOLoss:
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        log_prob_B = policy_out.log_prob_B
-        if log_prob_B.shape != batch.old_log_prob_B.shape:
-            raise ValueError(
-                f"policy_out.log_prob_B has shape {tuple(log_prob_B.shape)} but the batch's "
-                f"old_log_prob_B has {tuple(batch.old_log_prob_B.shape)}; they must be the same samples"
-            )
+        check_step_inputs(batch, policy_out, "flow_grpo")
         eps = cfg.clip_ratio
         adv_B = batch.advantages_B.detach().clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
-        log_ratio_B = log_prob_B - batch.old_log_prob_B.detach()
+        log_ratio_B = policy_out.log_prob_B - batch.old_log_prob_B.detach()
         ratio_B = torch.exp(log_ratio_B)
-        unclipped_B = -adv_B * ratio_B
-        clipped_B = -adv_B * ratio_B.clamp(1.0 - eps, 1.0 + eps)
-        loss_B = torch.maximum(unclipped_B, clipped_B)
+        loss_B = ppo_clip_terms(adv_B, ratio_B, eps)
         if batch.weights_B is not None:
             loss_B = loss_B * batch.weights_B.detach()
         loss = loss_B.mean()
 
         with torch.no_grad():
-            # Clip masks in the ratio's own dtype, so they agree with the clamp above.
-            ratio_B = ratio_B.detach()
             stats = torch.stack(
-                [
-                    loss.detach().double(),
-                    (-log_ratio_B.detach().double()).mean(),
-                    ((ratio_B - 1.0).abs() > eps).double().mean(),
-                    (ratio_B > 1.0 + eps).double().mean(),
-                    (ratio_B < 1.0 - eps).double().mean(),
-                    ratio_B.double().mean(),
-                    ratio_B.double().std(correction=0),
-                ]
+                [loss.detach().double(), *clip_ratio_stats(log_ratio_B, ratio_B, eps)]
             ).tolist()  # one device sync for all metrics
         metrics = dict(zip(METRIC_NAMES, stats, strict=True))
         return loss, metrics

@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffrl.algos.base import LossInputs
+from diffrl.algos.base import (
+    CLIP_RATIO_METRICS,
+    LossInputs,
+    check_step_inputs,
+    clip_ratio_stats,
+    ppo_clip_terms,
+)
 from diffrl.algos.registry import register_loss
 
 if TYPE_CHECKING:
@@ -46,12 +52,7 @@ if TYPE_CHECKING:
 
 METRIC_NAMES = (
     "policy_loss",
-    "ppo_kl",
-    "clipfrac",
-    "clipfrac_higher",
-    "clipfrac_lower",
-    "ratio_mean",
-    "ratio_std",
+    *CLIP_RATIO_METRICS,
     "ratio_mean_bias",
     "sigma_t",
     "sqrt_dt",
@@ -97,29 +98,14 @@ class GRPOGuardLoss:
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        log_prob_B = policy_out.log_prob_B
-        if log_prob_B.shape != batch.old_log_prob_B.shape:
-            raise ValueError(
-                f"policy_out.log_prob_B has shape {tuple(log_prob_B.shape)} but the batch's "
-                f"old_log_prob_B has {tuple(batch.old_log_prob_B.shape)}; they must be the same samples"
-            )
-        if batch.old_mean is None:
-            raise ValueError(
-                "grpo_guard needs batch.old_mean, the old (sampling) policy's SDE mean of this step: the "
-                "rollout's stored means[:, j] when its log-probs are reused, else the recomputed old means"
-            )
-        if batch.old_mean.shape != policy_out.mean.shape:
-            raise ValueError(
-                f"policy_out.mean has shape {tuple(policy_out.mean.shape)} but batch.old_mean has "
-                f"{tuple(batch.old_mean.shape)}; they must be the same samples and latents"
-            )
+        check_step_inputs(batch, policy_out, "grpo_guard", needs_old_mean=True)
         eps = cfg.clip_ratio
         scale, sqrt_dt_mean = guard_scale(policy_out)
         adv_B = batch.advantages_B.detach().clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
         bias_B = ratio_mean_bias(policy_out.mean, batch.old_mean, scale)
-        log_ratio_B = log_prob_B - batch.old_log_prob_B.detach()
+        log_ratio_B = policy_out.log_prob_B - batch.old_log_prob_B.detach()
         ratio_B = torch.exp((log_ratio_B + bias_B.to(log_ratio_B.dtype)) * scale.to(log_ratio_B.dtype))
-        loss_B = torch.maximum(-adv_B * ratio_B, -adv_B * ratio_B.clamp(1.0 - eps, 1.0 + eps))
+        loss_B = ppo_clip_terms(adv_B, ratio_B, eps)
         if batch.weights_B is not None:
             loss_B = loss_B * batch.weights_B.detach()
         loss = loss_B.mean() / sqrt_dt_mean.to(loss_B.dtype) ** 2
@@ -131,12 +117,8 @@ class GRPOGuardLoss:
             stats = torch.stack(
                 [
                     loss.detach().double(),
-                    (-log_ratio_B.detach().double()).mean(),
-                    ((ratio_B - 1.0).abs() > eps).double().mean(),
-                    (ratio_B > 1.0 + eps).double().mean(),
-                    (ratio_B < 1.0 - eps).double().mean(),
-                    ratio_B.double().mean(),
-                    ratio_B.double().std(correction=0),
+                    # ppo_kl of the unguarded log-ratio; clip fractions and moments of the guarded ρ
+                    *clip_ratio_stats(log_ratio_B, ratio_B, eps),
                     bias_B.detach().double().mean(),
                     policy_out.std_dev_t_B.detach().double().mean(),
                     sqrt_dt_mean.double(),
