@@ -110,6 +110,15 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_source_items(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="[PRESET|file.yaml] [key=value ...]",
+        help=f"a preset name (default: '{default}') or a YAML file, then dotted key=value overrides",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffrl",
@@ -126,12 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run an RL job. Config errors, a missing model or data file, or an unknown reward are "
         "reported before anything starts. trainer.resume=auto continues the run named trainer.run_name.",
     )
-    train.add_argument(
-        "items",
-        nargs="*",
-        metavar="[PRESET|file.yaml] [key=value ...]",
-        help="a preset name (default: 'default') or a YAML file, then dotted key=value overrides",
-    )
+    _add_source_items(train, default="default")
     train.set_defaults(func=cmd_train)
 
     sft = sub.add_parser(
@@ -140,12 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervised flow matching on (image, prompt) pairs from a dataset, or on freshly rendered "
         "shapes-world images (the 'shapes_sft' preset, the default). Writes the trained pipeline to RUN/model.",
     )
-    sft.add_argument(
-        "items",
-        nargs="*",
-        metavar="[PRESET|file.yaml] [key=value ...]",
-        help="a preset name (default: 'shapes_sft') or a YAML file, then dotted key=value overrides",
-    )
+    _add_source_items(sft, default="shapes_sft")
     sft.set_defaults(func=cmd_sft)
 
     evaluate = sub.add_parser(
@@ -167,12 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config of a preset or YAML file with key=value overrides",
         description="Print the fully resolved config: schema defaults <- preset or file <- overrides.",
     )
-    config.add_argument(
-        "items",
-        nargs="*",
-        metavar="[PRESET|file.yaml] [key=value ...]",
-        help="a preset name (default: 'default') or a YAML file, then dotted key=value overrides",
-    )
+    _add_source_items(config, default="default")
     config.set_defaults(func=cmd_config)
 
     sample = sub.add_parser(
