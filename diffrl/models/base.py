@@ -19,8 +19,10 @@ the adapter's compute dtype and its output is cast back to fp32.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -79,9 +81,6 @@ class ModelAdapter(ABC):
     @classmethod
     def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
         """Load with diffusers' own `from_pretrained`, local files only (nothing from a hub)."""
-        import json
-        from pathlib import Path
-
         dtypes = {"default": dtype, **cls.component_dtypes}
         # A component saved as [null, null] (the toy model's VAE and T5) must be passed as None
         # explicitly: diffusers refuses to load a pipeline with a required component missing.

@@ -149,6 +149,9 @@ class ActorWorker:
         )
         if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
             adapter.compile_blocks()
+        # Supervised training only (`flow_matching_backward`): filled on first use.
+        self._training_sigmas_cache: torch.Tensor | None = None
+        self._prompt_cache: dict[str, Any] = {}
 
     def forward_backward(self, micro_batches: Sequence[Rollout], window_steps: Sequence[int] | None = None):
         return self.engine.forward_backward(
@@ -202,15 +205,14 @@ class ActorWorker:
         """The scheduler's training sigmas (shift applied), as the diffusers training scripts use them."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        if not hasattr(self, "_sigmas"):
-            self._sigmas = FlowMatchEulerDiscreteScheduler.from_config(
-                self.engine.adapter.scheduler_config
-            ).sigmas
-        return self._sigmas
+        if self._training_sigmas_cache is None:
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.engine.adapter.scheduler_config)
+            self._training_sigmas_cache = scheduler.sigmas
+        return self._training_sigmas_cache
 
     def _prompt_embeds(self, prompts: Sequence[str]):
         """One conditioning row per prompt; each distinct prompt is encoded once and cached."""
-        cache: dict[str, Any] = self.__dict__.setdefault("_prompt_cache", {})
+        cache = self._prompt_cache
         missing = list(dict.fromkeys(p for p in prompts if p not in cache))
         if missing:
             if len(cache) + len(missing) > _PROMPT_CACHE_SIZE:
@@ -244,9 +246,10 @@ class ActorWorker:
             shutil.copy(
                 resolve_model_path(self.cfg.model.path) / "model_index.json", staging / "model_index.json"
             )
+            # A crash while writing leaves only the .partial directory, never a half-written model/.
             if out.exists():
                 shutil.rmtree(out)
-            staging.rename(out)  # atomic: a crash leaves only the .partial directory
+            staging.rename(out)
         return str(out)
 
     def optim_step(self) -> dict[str, float]:
