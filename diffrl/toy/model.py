@@ -5,8 +5,9 @@ families use (the SD3 adapter, the sampler, the trainer, LoRA, checkpoints, expo
 
 - `SD3Transformer2DModel` on pixels: 3 input/output channels, patch 2 (a 32x32 image is 16x16 =
   256 tokens), 6 `JointTransformerBlock`s of width 128 (4 heads of 32), RMS qk-norm: ~3.5 M
-  parameters. (A first attempt at 64x64 with patch 4 learned blotchy, speckled images: each
-  token then predicts 48 noisy pixel values; 12 per token at patch 2 train cleanly.) Pixel space needs no VAE (model_index.json lists `vae` as null); see the SD3 adapter.
+  parameters. (A first attempt at 64x64 with patch 4, 48 pixel values per token, learned
+  blotchy, speckled images: 2% held-out accuracy after 2500 SFT steps; this one reached 43% at
+  step 3000.) Pixel space needs no VAE (model_index.json lists `vae` as null); see the SD3 adapter.
 - Text: SD3's two CLIP encoders (`CLIPTextModelWithProjection`, 2 layers, width 64, frozen at
   their seeded random init) with the tiny tokenizers of `diffrl.models.tiny_text`, whose
   vocabulary holds every word of the shapes grammar as one token; 16 tokens per prompt. No T5:

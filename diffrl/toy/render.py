@@ -109,7 +109,7 @@ def render(scene: Scene, size: int = 64, generator: np.random.Generator | None =
             f"got {generator!r}"
         )
     if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SIZE:
-        raise ValueError(f"size={size!r} is invalid: use an integer >= {MIN_SIZE} (the toy model uses 64)")
+        raise ValueError(f"size={size!r} is invalid: use an integer >= {MIN_SIZE} (the toy model uses 32)")
     big = size * SUPERSAMPLE
     image = Image.new("RGB", (big, big), BACKGROUND)
     draw = ImageDraw.Draw(image)
