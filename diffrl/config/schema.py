@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from diffrl.algos.awm import AWM_WEIGHTINGS
 from diffrl.algos.kl import KL_STD_CHOICES
+from diffrl.algos.nft import NFT_ADV_MODES
+from diffrl.algos.rollout_correction import IS_LEVELS, IS_MODES, REJECTION_LEVELS, REJECTIONS
 from diffrl.sde import SDE_KINDS
 
 
@@ -242,6 +245,18 @@ class LossConfig:
     adv_clip_max: float = 5.0  # advantages are clamped to ±adv_clip_max inside the loss
     kl_coef: float = 0.0  # β of the KL-to-reference term; 0 = no reference pass
     kl_std: str = "sde"  # sde: divide by std_dev_t² (Flow-GRPO); transition: by the exact (s·sqrt(-dt))²
+    # flow_dppo: drop a sample's term once D(μ_θ, μ_old) ≥ kl_mask_threshold and it moves further out
+    kl_mask_threshold: float = 1e-5
+    add_kl_coefficient: bool = True  # flow_dppo: D divides by the transition variance (false: by 1)
+    # diffusion_nft
+    mix_beta: float = 0.1  # β of the implicit velocities v± around the old policy
+    nft_weight_min: float = 1e-5  # floor of the adaptive per-sample weights
+    # dpo
+    dpo_beta: float = 2000.0  # β of Diffusion-DPO (recipes use 100 to 5000)
+    # awm
+    awm_weighting: str = "uniform"  # uniform, sigma, sigma_sq or ghuber (see diffrl.algos.awm)
+    awm_ghuber_power: float = 0.25  # p of the ghuber weighting
+    awm_ema_kl_coef: float = 0.0  # KL of the velocity to the `old` (EMA) adapter
 
     def validate(self, at: str) -> None:
         from diffrl.algos import get_loss
@@ -260,6 +275,13 @@ class LossConfig:
         _require_positive(f"{at}.adv_clip_max", self.adv_clip_max)
         _require_at_least(f"{at}.kl_coef", self.kl_coef, 0.0)
         _require_choice(f"{at}.kl_std", self.kl_std, KL_STD_CHOICES)
+        _require_positive(f"{at}.kl_mask_threshold", self.kl_mask_threshold)
+        _require_positive(f"{at}.mix_beta", self.mix_beta)
+        _require_positive(f"{at}.nft_weight_min", self.nft_weight_min)
+        _require_positive(f"{at}.dpo_beta", self.dpo_beta)
+        _require_choice(f"{at}.awm_weighting", self.awm_weighting, AWM_WEIGHTINGS)
+        _require_positive(f"{at}.awm_ghuber_power", self.awm_ghuber_power)
+        _require_at_least(f"{at}.awm_ema_kl_coef", self.awm_ema_kl_coef, 0.0)
 
 
 @dataclass
@@ -307,16 +329,19 @@ class OldPolicyConfig:
 class RolloutCorrectionConfig:
     """Correction for a sampler whose log-probs differ from the trainer's (λ = logp_old − logp_rollout)."""
 
-    is_level: str = "none"  # importance weights exp(λ): none, per step, or per sequence (sum over steps)
+    # importance weights exp(λ): none, per step, per sequence (sum over steps) or geometric (mean)
+    is_level: str = "none"
     is_mode: str = "truncate"  # truncate: min(w, is_threshold); mask: drop w outside [is_lower, is_threshold]
     is_threshold: float = 2.0
     is_lower: float = 0.5
     rejection: str = "none"  # reject samples whose k1/k2/k3 statistic exceeds rejection_threshold
     rejection_threshold: float = 0.01
+    rejection_level: str = "step"  # step, or aggregated per sample: sequence_mean/_sum/_max
 
-    IS_LEVELS = ("none", "step", "sequence")
-    IS_MODES = ("truncate", "mask")
-    REJECTIONS = ("none", "k1", "k2", "k3")
+    IS_LEVELS = IS_LEVELS
+    REJECTION_LEVELS = REJECTION_LEVELS
+    IS_MODES = IS_MODES
+    REJECTIONS = REJECTIONS
 
     def validate(self, at: str) -> None:
         _require_choice(f"{at}.is_level", self.is_level, self.IS_LEVELS)
@@ -330,6 +355,13 @@ class RolloutCorrectionConfig:
         )
         _require_choice(f"{at}.rejection", self.rejection, self.REJECTIONS)
         _require_positive(f"{at}.rejection_threshold", self.rejection_threshold)
+        _require_choice(f"{at}.rejection_level", self.rejection_level, self.REJECTION_LEVELS)
+        _require(
+            not (self.rejection == "k1" and self.rejection_level == "sequence_max"),
+            f"{at}.rejection_level",
+            self.rejection_level,
+            "sequence_max is not defined for the signed k1 statistic: use k2/k3 or another level",
+        )
 
 
 @dataclass
@@ -340,6 +372,8 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True  # false = Dr.GRPO (no division by the std)
     global_std: bool = True  # true: the batch's reward std; false: each group's own
     timestep_fraction: float = 1.0  # fraction of window steps trained (DanceGRPO-style subsampling)
+    # diffusion_nft: how advantages become optimality probabilities (diffrl.algos.nft.NFT_ADV_MODES)
+    adv_mode: str = "continuous"
     # auto: reuse the rollout's own log-probs when the sampler is the trained module itself
     # (colocated, same dtype, same compile), recompute otherwise; recompute; rollout (always reuse)
     old_log_probs: str = "auto"
@@ -356,6 +390,7 @@ class AlgorithmConfig:
         _require_choice(f"{at}.trainer_type", self.trainer_type, self.TRAINER_TYPES)
         _require_choice(f"{at}.sample_source", self.sample_source, self.SAMPLE_SOURCES)
         _require_choice(f"{at}.old_log_probs", self.old_log_probs, self.OLD_LOG_PROBS)
+        _require_choice(f"{at}.adv_mode", self.adv_mode, NFT_ADV_MODES)
         try:
             get_advantage_estimator(self.adv_estimator)
         except ValueError as err:
