@@ -75,15 +75,7 @@ def _reject_planned_keys(cfg: Config) -> None:
     defaults = Config()
     planned = {
         "algorithm.sample_source": (cfg.algorithm.sample_source, defaults.algorithm.sample_source),
-        "algorithm.timestep_fraction": (
-            cfg.algorithm.timestep_fraction,
-            defaults.algorithm.timestep_fraction,
-        ),
         "algorithm.old_policy": (cfg.algorithm.old_policy, defaults.algorithm.old_policy),
-        "algorithm.rollout_correction": (
-            cfg.algorithm.rollout_correction,
-            defaults.algorithm.rollout_correction,
-        ),
         "actor.optimizer_offload": (cfg.actor.optimizer_offload, defaults.actor.optimizer_offload),
     }
     for key, (value, default) in planned.items():

@@ -179,14 +179,6 @@ def test_preset_typo(capsys):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (
-            "algorithm.timestep_fraction=0.5",
-            r"algorithm\.timestep_fraction=0\.5 is not implemented by diffrl train yet",
-        ),
-        (
-            "algorithm.rollout_correction.is_level=step",
-            r"algorithm\.rollout_correction=.* is not implemented",
-        ),
         ("actor.optimizer_offload=true", r"actor\.optimizer_offload=True is not implemented"),
     ],
 )
