@@ -21,6 +21,8 @@ SHUFFLE_STREAM = 4  # (SHUFFLE_STREAM, seed, step, epoch): mini-batch order
 SFT_STREAM = (
     5  # (SFT_STREAM, seed, step, sample): noise level, noise, prompt dropout and rendering of one SFT sample
 )
+GROUP_NOISE_STREAM = 10  # (GROUP_NOISE_STREAM, seed, step, group): a prompt group's shared initial noise
+TIMESTEP_SUBSET_STREAM = 11  # (TIMESTEP_SUBSET_STREAM, seed, step, sample): the window steps a sample trains
 
 
 def derive_seed(*keys: int) -> int:
