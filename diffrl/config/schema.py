@@ -166,6 +166,9 @@ class RolloutConfig:
     n: int = 16  # samples per prompt (the GRPO group size)
     micro_batch_size: int = 16  # (prompt, sample) pairs per sampler forward, per worker
     seed: int | None = None  # null = trainer.seed
+    # DanceGRPO: every sample of a prompt group starts from the same initial noise (its SDE noise
+    # still differs), so rewards within a group differ only by what the policy's steps did
+    same_group_noise: bool = False
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sde: SdeConfig = field(default_factory=SdeConfig)
     val: ValidationConfig = field(default_factory=ValidationConfig)
@@ -556,6 +559,18 @@ class Config:
                 "rollout.n",
                 n,
                 "must be >= 2 for policy-gradient training: advantages compare samples of one prompt",
+            )
+            rc = self.algorithm.rollout_correction
+            reuses = self.algorithm.old_log_probs == "rollout" or (
+                self.algorithm.old_log_probs == "auto" and not self.model.compile
+            )
+            _require(
+                not (reuses and (rc.is_level != "none" or rc.rejection != "none")),
+                "algorithm.rollout_correction",
+                f"is_level={rc.is_level}, rejection={rc.rejection}",
+                "has no effect when the trainer reuses the rollout's own log-probs (algorithm.old_log_probs="
+                f"{self.algorithm.old_log_probs}): there is no second log-prob to correct against. Set "
+                "algorithm.old_log_probs=recompute, or leave is_level and rejection at none",
             )
         _require(
             self.world_size == 1 or self.actor.strategy == "fsdp2",

@@ -4,7 +4,8 @@ For B prompts × n samples the sampler encodes each unique prompt once, then den
 of (prompt, sample) pairs: one batched transformer call per step (CFG inside it), SDE steps inside
 the window and ODE steps elsewhere, all step math through `diffrl.sde.step`. Sample i of step s
 draws its initial noise and its SDE noise from its own generator seeded by (seed, s, i), so a
-rollout is identical whatever the micro-batch size.
+rollout is identical whatever the micro-batch size. With `rollout.same_group_noise` (DanceGRPO)
+the initial noise comes from the prompt group's own generator instead, the same for all n samples.
 
 `evaluate_step` is the trainer's half: it recomputes one window step of stored trajectories with
 the current weights through the same adapter call and the same step function, so with unchanged
@@ -24,7 +25,7 @@ from diffrl.config.schema import RolloutConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.rollout.types import Rollout, RolloutSettings, Trajectories
 from diffrl.rollout.window import window_start
-from diffrl.seeding import NOISE_STREAM, generator
+from diffrl.seeding import GROUP_NOISE_STREAM, NOISE_STREAM, generator
 
 OnDecoded = Callable[[Trajectories], None]
 
@@ -88,6 +89,7 @@ class TrajectorySampler:
             negative_prompts=negative_prompts,
             on_decoded=on_decoded,
             sample_offset=sample_offset,
+            same_group_noise=self.cfg.same_group_noise,
         )
 
     def sample_validation(
@@ -120,6 +122,7 @@ class TrajectorySampler:
             negative_prompts=negative_prompts,
             on_decoded=None,
             sample_offset=sample_offset,
+            same_group_noise=False,  # validation samples of a prompt stay independent
         )
 
     # ------------------------------------------------------------------------------ internals
@@ -155,6 +158,7 @@ class TrajectorySampler:
         negative_prompts: Sequence[str] | None,
         on_decoded: OnDecoded | None,
         sample_offset: int,
+        same_group_noise: bool,
     ) -> Rollout:
         prompts = list(prompts)
         if not prompts:
@@ -180,6 +184,7 @@ class TrajectorySampler:
         total = len(prompts) * n
         prompt_index_B = torch.arange(len(prompts)).repeat_interleave(n)
         sample_index_B = torch.arange(sample_offset, sample_offset + total)
+        group_index_B = sample_index_B // n  # global, like the sample index: it keys the group's noise
         micro = self.cfg.micro_batch_size
         chunks: list[Trajectories] = []
         with self._progress_bar() as bar, torch.no_grad():
@@ -190,7 +195,15 @@ class TrajectorySampler:
                     generator(adapter.device, NOISE_STREAM, seed, step, int(i)) for i in sample_index_B[rows]
                 ]
                 cond = prompt_embeds[prompt_index_B[rows].to(adapter.device)]
-                x = adapter.init_noise(gens, **size)
+                init_gens = (
+                    [
+                        generator(adapter.device, GROUP_NOISE_STREAM, seed, step, int(g))
+                        for g in group_index_B[rows]
+                    ]
+                    if same_group_noise  # its own stream: never a repeat of a sample's SDE noise
+                    else gens
+                )
+                x = adapter.init_noise(init_gens, **size)
                 kept, log_probs, means, stds = [x], [], [], []
                 for k in range(num_steps):
                     v = adapter.velocity(

@@ -48,6 +48,9 @@ class Trajectories:
     advantages_B: torch.Tensor | None = None  # fp32 [B]
     old_log_probs_BW: torch.Tensor | None = None  # fp32 [B, W]; None = the rollout's own log_probs_BW
     ref_means: torch.Tensor | None = None  # fp32 [B, W, ...]: the reference policy's SDE means (KL)
+    old_means: torch.Tensor | None = None  # fp32 [B, W, ...]: recomputed old means; None = `means`
+    weights_BW: torch.Tensor | None = None  # fp32 [B, W]: rollout-correction loss weights; None = 1
+    train_mask_BW: torch.Tensor | None = None  # bool [B, W]: the steps each sample trains; None = all
 
 
 @dataclass

@@ -215,7 +215,12 @@ class TrainEngine:
 
         Each micro-batch must carry `samples.advantages_B`; old log-probs default to the rollout's
         own (same weights, same math), or `samples.old_log_probs_BW` when the trainer recomputed
-        them; KL needs `samples.ref_means`. `window_steps` selects the trained steps (all by default).
+        them; old SDE means (GRPO-Guard, Flow-DPPO) likewise default to the rollout's `means`; KL
+        needs `samples.ref_means`. `samples.weights_BW` (rollout correction) multiplies each
+        sample's term. `samples.train_mask_BW` (DanceGRPO's per-sample step subsets) restricts each
+        window step to the samples that train it: every sample then trains K of the W steps, and
+        the gradient is normalised by K, so its scale does not depend on the fraction.
+        `window_steps` selects the trained steps (all by default).
         """
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
@@ -223,38 +228,59 @@ class TrainEngine:
         if not steps:
             raise ValueError("no window steps to train: the rollouts were sampled without an SDE window")
         loss_cfg = self.cfg.loss
-        scale = 1.0 / (len(micro_batches) * len(steps))
+        needs_old_mean = getattr(self.loss_fn, "needs_old_mean", False)
         sums: dict[str, float] = defaultdict(float)
-        terms = len(micro_batches) * len(steps)
+        terms = 0
         for index, mb in enumerate(micro_batches):
             samples = mb.samples
             if samples.advantages_B is None:
                 raise ValueError("micro-batch has no advantages: the trainer sets samples.advantages_B first")
-            old_log_probs = (
-                samples.old_log_probs_BW if samples.old_log_probs_BW is not None else samples.log_probs_BW
-            )
             if self.kl_fn is not None and samples.ref_means is None:
                 raise ValueError("KL is on (actor.loss.kl_coef > 0) but the micro-batch has no ref_means")
-            for count, j in enumerate(steps):
-                last = index == len(micro_batches) - 1 and count == len(steps) - 1
+            mask = samples.train_mask_BW
+            rows_per_step = [
+                None if mask is None else torch.nonzero(mask[:, j].cpu()).flatten() for j in steps
+            ]
+            # each sample's terms are averaged over the steps it trains (K), then over samples
+            trained_per_sample = len(steps) if mask is None else int(mask[0, steps].sum())
+            norm = 1.0 / (len(micro_batches) * len(mb) * trained_per_sample)
+            active = [
+                (j, rows) for j, rows in zip(steps, rows_per_step, strict=True) if rows is None or len(rows)
+            ]
+            for count, (j, rows) in enumerate(active):
+                last = index == len(micro_batches) - 1 and count == len(active) - 1
                 self._sync_gradients(last)
-                out = evaluate_step(self.adapter, mb, j)
-                device = out.log_prob_B.device
-                inputs = LossInputs(
-                    advantages_B=samples.advantages_B.to(device),
-                    old_log_prob_B=old_log_probs[:, j].to(device),
-                    ref_mean=samples.ref_means[:, j].to(device) if self.kl_fn is not None else None,
-                )
-                loss, metrics = self.loss_fn.compute(inputs, out, loss_cfg)
-                if self.kl_fn is not None:
-                    kl, kl_metrics = self.kl_fn.compute(inputs, out, loss_cfg)
-                    loss = loss + loss_cfg.kl_coef * kl
-                    metrics = {**metrics, **kl_metrics}
-                (loss * scale).backward()
+                part = mb if rows is None else mb.select(rows)
+                loss, metrics = self._step_loss(part, j, needs_old_mean, loss_cfg)
+                (loss * (len(part) * norm)).backward()
                 sums["loss"] += float(loss.detach())
                 for key, value in metrics.items():
                     sums[key] += value
+                terms += 1
         return self._reduce({key: value / terms for key, value in sums.items()})
+
+    def _step_loss(self, mb: Rollout, j: int, needs_old_mean: bool, loss_cfg) -> tuple[torch.Tensor, dict]:
+        """The policy loss (+ KL) of window step j on micro-batch `mb`, averaged over its samples."""
+        samples = mb.samples
+        out = evaluate_step(self.adapter, mb, j)
+        device = out.log_prob_B.device
+        old_log_probs = (
+            samples.old_log_probs_BW if samples.old_log_probs_BW is not None else samples.log_probs_BW
+        )
+        old_means = samples.old_means if samples.old_means is not None else samples.means
+        inputs = LossInputs(
+            advantages_B=samples.advantages_B.to(device),
+            old_log_prob_B=old_log_probs[:, j].to(device),
+            old_mean=old_means[:, j].to(device) if needs_old_mean else None,
+            ref_mean=samples.ref_means[:, j].to(device) if self.kl_fn is not None else None,
+            weights_B=samples.weights_BW[:, j].to(device) if samples.weights_BW is not None else None,
+        )
+        loss, metrics = self.loss_fn.compute(inputs, out, loss_cfg)
+        if self.kl_fn is not None:
+            kl, kl_metrics = self.kl_fn.compute(inputs, out, loss_cfg)
+            loss = loss + loss_cfg.kl_coef * kl
+            metrics = {**metrics, **kl_metrics}
+        return loss, metrics
 
     def flow_matching_backward(
         self, micro_batches: Sequence[FlowMatchingBatch], weighting_scheme: str

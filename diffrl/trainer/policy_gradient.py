@@ -7,8 +7,11 @@ The driver owns the loop and calls workers explicitly; one step reads top to bot
                  micro-batch goes to the reward workers at once (scoring overlaps sampling)
     reward       gather the scores
     advantages   grouped by uid, on the driver
-    old_log_prob reuse the rollout's own log-probs when the sampler is the trained module
-                 (recompute otherwise), reference means when KL is on
+    old_log_prob reuse the rollout's own log-probs (and SDE means) when the sampler is the trained
+                 module, recompute otherwise: then rollout-correction weights and the
+                 sampler/trainer mismatch metrics; reference means when KL is on
+    step subset  with algorithm.timestep_fraction < 1 (DanceGRPO) each sample trains a random
+                 subset of the window steps
     update_actor mini-batches of whole prompt groups × epochs; each mini-batch is split across the
                  workers, one optimizer step per mini-batch
     weights      colocated workers share one module: nothing to copy
@@ -25,12 +28,14 @@ from typing import Any
 
 import torch
 
-from diffrl.algos import advantage_metrics, get_advantage_estimator
+from diffrl.algos import advantage_metrics, get_advantage_estimator, get_loss
+from diffrl.algos.nft import timestep_subset, timestep_subset_mask
+from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
-from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
+from diffrl.seeding import SHUFFLE_STREAM, TIMESTEP_SUBSET_STREAM, generator, numpy_rng
 from diffrl.telemetry import mfu_metrics, peak_flops
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.trainer.loop import TrainingLoop
@@ -46,6 +51,9 @@ class PolicyGradientTrainer(TrainingLoop):
         super().__init__(cfg, run_dir, **loop_args)
         self.reuse_rollout_log_probs = reuse_rollout_log_probs
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.needs_old_mean = getattr(get_loss(cfg.actor.loss.mode), "needs_old_mean", False)
+        rc = cfg.algorithm.rollout_correction
+        self.corrects_rollout = rc.is_level != "none" or rc.rejection != "none"
         self.peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
 
     # ------------------------------------------------------------------------------ one step
@@ -67,10 +75,19 @@ class PolicyGradientTrainer(TrainingLoop):
 
         if not self.reuse_rollout_log_probs:
             with self.timer.phase("old_log_prob"):
-                rollout.samples.old_log_probs_BW = self._log_probs(rollout, POLICY)[0]
-            gap = (rollout.samples.old_log_probs_BW - rollout.samples.log_probs_BW).abs()
-            metrics["rollout_correction/abs_logp_diff_mean"] = float(gap.mean())
-            metrics["rollout_correction/abs_logp_diff_max"] = float(gap.max())
+                old_log_probs, old_means = self._log_probs(rollout, POLICY)
+            rollout.samples.old_log_probs_BW = old_log_probs
+            if self.needs_old_mean:
+                rollout.samples.old_means = old_means
+            # weights are all 1 unless algorithm.rollout_correction turns IS or rejection on; the
+            # mismatch diagnostics are logged either way
+            weights, rc_metrics = rollout_correction_from_config(
+                old_log_probs, rollout.samples.log_probs_BW, cfg.algorithm.rollout_correction
+            )
+            rollout.samples.weights_BW = weights if self.corrects_rollout else None
+            metrics.update(rc_metrics)
+        if cfg.algorithm.timestep_fraction < 1.0:
+            rollout.samples.train_mask_BW = self._train_mask(rollout)
         if cfg.actor.loss.kl_coef > 0:
             with self.timer.phase("ref"):
                 rollout.samples.ref_means = self._log_probs(rollout, REFERENCE)[1]
@@ -109,6 +126,16 @@ class PolicyGradientTrainer(TrainingLoop):
             "sample_and_score", shards, seed=self.cfg.rollout_seed, step=self.step, rewards=self.rewards
         )
         return concat_rollouts(rollouts)
+
+    def _train_mask(self, rollout: Rollout) -> torch.Tensor:
+        """DanceGRPO: each sample trains a random `timestep_fraction` of the window steps, drawn
+        from its own generator (TIMESTEP_SUBSET_STREAM, seed, step, sample)."""
+        gens = [
+            generator("cpu", TIMESTEP_SUBSET_STREAM, self.cfg.trainer.seed, self.step, int(i))
+            for i in rollout.samples.sample_index_B
+        ]
+        subset = timestep_subset(rollout.window_size, self.cfg.algorithm.timestep_fraction, gens)
+        return timestep_subset_mask(subset, rollout.window_size)
 
     def _log_probs(self, rollout: Rollout, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.workers.scatter("log_probs", split_even(rollout, self.workers.size), policy=policy)

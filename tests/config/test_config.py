@@ -129,6 +129,14 @@ def test_wrong_type_names_key_value_and_expected_type():
             r"actor\.optim\.betas=\[0\.9\] is invalid: must be two numbers in \[0, 1\)",
         ),
         (
+            "algorithm.rollout_correction.is_level=step",
+            r"algorithm\.rollout_correction=.*has no effect when the trainer reuses.*old_log_probs=recompute",
+        ),
+        (
+            "actor.loss.awm_weighting=huber",
+            r"actor\.loss\.awm_weighting='huber' is invalid: must be one of 'uniform'",
+        ),
+        (
             "algorithm.timestep_fraction=1.5",
             r"algorithm\.timestep_fraction=1\.5 is invalid: must be in \(0, 1\]",
         ),

@@ -4,7 +4,7 @@ import torch
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig, ValidationConfig
 from diffrl.models import load_model
 from diffrl.rollout import TrajectorySampler, evaluate_step
-from diffrl.seeding import NOISE_STREAM, generator
+from diffrl.seeding import GROUP_NOISE_STREAM, NOISE_STREAM, generator
 
 PROMPTS = ["a red circle above a blue square", "two green triangles", "one yellow square"]
 
@@ -165,3 +165,24 @@ def test_micro_batches_are_handed_over_as_soon_as_decoded(sd3):
 def test_mismatched_uids_are_an_error(sd3):
     with pytest.raises(ValueError, match="got 2 prompts but 1 uids"):
         TrajectorySampler(sd3, rollout_cfg(), progress=False).sample(PROMPTS[:2], seed=0, step=0, uids=["x"])
+
+
+def test_same_group_noise_shares_the_initial_noise_within_a_group_only(sd3):
+    """DanceGRPO: every sample of a prompt group starts from the group's noise (its own stream,
+    keyed by the global group index), SDE noise still differs; validation is unaffected."""
+    cfg = rollout_cfg(window_range=[0, 2])  # the window starts at step 0: window_latents[:, 0] is x_T
+    cfg.same_group_noise = True
+    sampler = TrajectorySampler(sd3, cfg, progress=False)
+    rollout = sampler.sample(PROMPTS[:2], seed=5, step=1, sample_offset=8)  # groups 2 and 3 globally
+    x_T = rollout.samples.window_latents[:, 0]
+    for group in range(2):
+        rows = x_T[group * 4 : (group + 1) * 4]
+        assert torch.equal(rows, rows[:1].expand_as(rows))
+        shared = sd3.init_noise([generator("cpu", GROUP_NOISE_STREAM, 5, 1, 2 + group)], 32, 32)
+        assert torch.equal(rows[0], shared[0])
+    assert not torch.equal(x_T[0], x_T[4])
+    after = rollout.samples.window_latents[:4, 1]
+    assert all(not torch.equal(after[0], after[i]) for i in range(1, 4))  # the SDE noise differs
+    cfg.val.n = 2
+    val = sampler.sample_validation(PROMPTS[:1]).samples.final_latents
+    assert not torch.equal(val[0], val[1])  # validation samples of a prompt stay independent

@@ -206,3 +206,48 @@ def test_missing_advantages_is_an_error(tiny_model):
 def test_lr_schedules_match_their_closed_forms(scheduler, expected):
     factor = lr_lambda(scheduler, warmup_steps=2, total_steps=10)
     assert [factor(s) for s in range(5)] == pytest.approx(expected)
+
+
+def _grads(engine):
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in engine.params]
+
+
+def test_step_subsets_train_each_sample_on_its_own_steps(tiny_model):
+    """DanceGRPO's per-sample step subsets: the masked mini-batch gradient equals the average, over
+    samples, of each sample's gradient on the steps it trains, computed one sample at a time."""
+    engine, sampler = make(tiny_model, clip_ratio=1e-5)
+    rollout = sampler.sample(PROMPTS, seed=3, step=0)
+    rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
+    perturb_lora(engine, scale=0.05)  # ratios leave 1: the clip is active for some terms
+    mask = torch.tensor([[True, False], [False, True]] * 4)  # K = 1 of W = 2 steps per sample
+    rollout.samples.train_mask_BW = mask
+    engine.optimizer.zero_grad()
+    engine.forward_backward([rollout.select(slice(0, 4)), rollout.select(slice(4, 8))])
+    masked = _grads(engine)
+
+    engine.optimizer.zero_grad()
+    for i in range(8):
+        one = rollout.select([i])
+        (j,) = torch.nonzero(mask[i]).flatten().tolist()
+        loss, _ = engine._step_loss(one, j, False, engine.cfg.loss)
+        (loss / 8).backward()
+    for a, b in zip(masked, _grads(engine), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
+
+
+def test_rollout_correction_weights_scale_each_samples_term(tiny_model):
+    """A weight multiplies its sample's term: zero weights remove samples, and the loss still
+    divides by the micro-batch size (the half that is left contributes half its own gradient)."""
+    engine, sampler = make(tiny_model)
+    rollout = sampler.sample(PROMPTS, seed=4, step=0)
+    rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
+    half = rollout.select(slice(0, 4))
+    kept = half.select(slice(0, 2))
+    engine.optimizer.zero_grad()
+    engine.forward_backward([kept])
+    expected = [g / 2 for g in _grads(engine)]
+    half.samples.weights_BW = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    engine.optimizer.zero_grad()
+    engine.forward_backward([half])
+    for a, b in zip(_grads(engine), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
