@@ -1,5 +1,9 @@
 """Resolve a config: schema defaults <- a preset or YAML file <- `key=value` overrides.
 
+A preset or file may start from another one with a top-level `base: <preset or path>` key (a
+path relative to the file naming it): the base is merged first, then the file's own keys, so a
+variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: default` plus its loss).
+
 OmegaConf does the merging and the type checks against the dataclass schema; this module turns its
 exceptions into messages that name the key, the value and the fix, then runs the schema's range
 and cross-field validation.
@@ -62,7 +66,7 @@ def load_config(source: str | None = None, overrides: Sequence[str] = (), job: s
     (`train` or `sft`: see `Config.validate`)."""
     path = resolve_source(source)
     merged: DictConfig = OmegaConf.structured(Config)
-    layers = [(str(path), _read_yaml(path)), ("command line", _parse_overrides(overrides))]
+    layers = [*_file_layers(path, ()), ("command line", _parse_overrides(overrides))]
     for where, layer in layers:
         try:
             merged = OmegaConf.merge(merged, layer)
@@ -85,6 +89,27 @@ def _read_yaml(path: Path) -> DictConfig:
     if not isinstance(layer, DictConfig):
         raise ConfigError(f"{path}: a config file must be a mapping of sections (model:, rollout:, ...)")
     return layer
+
+
+def _file_layers(path: Path, chain: tuple[Path, ...]) -> list[tuple[str, DictConfig]]:
+    """The file's layer after those of its `base` chain (outermost base first)."""
+    if path.resolve() in chain:
+        names = " -> ".join(str(p) for p in (*chain, path.resolve()))
+        raise ConfigError(f"{path}: `base` chain loops back on itself: {names}")
+    layer = _read_yaml(path)
+    base = layer.pop("base", None)
+    if base is None:
+        return [(str(path), layer)]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base={base!r} must name a preset or a .yaml path")
+    base_path = Path(base)
+    if base.endswith((".yaml", ".yml")) and not base_path.is_absolute():
+        base_path = path.parent / base_path  # relative to the file that names it
+        if not base_path.is_file():
+            raise FileNotFoundError(f"{path}: base {base!r} does not exist (looked at {base_path})")
+    else:
+        base_path = resolve_source(base)
+    return [*_file_layers(base_path, (*chain, path.resolve())), (str(path), layer)]
 
 
 def _parse_overrides(overrides: Sequence[str]) -> DictConfig:

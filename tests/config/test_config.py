@@ -73,6 +73,28 @@ def test_yaml_file_source(tmp_path):
     assert cfg.images_per_step == 8
 
 
+def test_base_chains_merge_outermost_first(tmp_path):
+    """`base:` merges the named preset or file first; a relative path is relative to the naming file;
+    the command line still wins; a loop is an error naming the chain."""
+    (tmp_path / "mid.yaml").write_text("base: default\nrollout:\n  n: 16\nactor:\n  optim:\n    lr: 1.0e-5\n")
+    (tmp_path / "top.yaml").write_text("base: mid.yaml\nactor:\n  loss:\n    mode: grpo_guard\n")
+    cfg = load_config(str(tmp_path / "top.yaml"), ["actor.optim.lr=2e-5"])
+    default = load_config("default")
+    assert cfg.model.path == default.model.path  # from default
+    assert cfg.rollout.n == 16  # from mid.yaml
+    assert cfg.actor.loss.mode == "grpo_guard"  # from top.yaml
+    assert cfg.actor.optim.lr == 2e-5  # the command line wins
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(
+        ConfigError, match=r"`base` chain loops back on itself: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"
+    ):
+        load_config(str(tmp_path / "a.yaml"))
+    (tmp_path / "c.yaml").write_text("base: nope.yaml\n")
+    with pytest.raises(FileNotFoundError, match=r"base 'nope\.yaml' does not exist"):
+        load_config(str(tmp_path / "c.yaml"))
+
+
 def test_unknown_key_lists_valid_keys_with_did_you_mean():
     with pytest.raises(ConfigError) as err:
         load_config("default", ["rollout.sde.noise_levle=1"])
