@@ -23,6 +23,9 @@ SFT_STREAM = (
 )
 GROUP_NOISE_STREAM = 10  # (GROUP_NOISE_STREAM, seed, step, group): a prompt group's shared initial noise
 TIMESTEP_SUBSET_STREAM = 11  # (TIMESTEP_SUBSET_STREAM, seed, step, sample): the window steps a sample trains
+# (PREFERENCE_STREAM, seed, step, epoch, sample or pair): the noise levels and fresh noise of one
+# clean sample (NFT, AWM) or preference pair (DPO) in the direct-preference trainer
+PREFERENCE_STREAM = 12
 
 
 def derive_seed(*keys: int) -> int:

@@ -444,13 +444,23 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompts_per_step: int = 8  # B: unique prompts per training step
     prompt_key: str = "prompt"  # the column holding the prompt in .jsonl/.parquet rows
+    # algorithm.sample_source=offline: the columns holding each row's preferred and dispreferred
+    # image files (paths relative to the data file)
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
     shuffle: bool = True
     seed: int | None = None  # null = trainer.seed
 
     def validate(self, at: str) -> None:
         _require_at_least(f"{at}.prompts_per_step", self.prompts_per_step, 1)
+        for key in ("prompt_key", "chosen_key", "rejected_key"):
+            value = getattr(self, key)
+            _require(bool(value), f"{at}.{key}", value, "must be a non-empty column name")
         _require(
-            bool(self.prompt_key), f"{at}.prompt_key", self.prompt_key, "must be a non-empty column name"
+            self.chosen_key != self.rejected_key,
+            f"{at}.rejected_key",
+            self.rejected_key,
+            f"must differ from {at}.chosen_key: the two images of a pair are in different columns",
         )
         if self.seed is not None:
             _require_at_least(f"{at}.seed", self.seed, 0)

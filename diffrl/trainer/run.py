@@ -39,20 +39,28 @@ def data_path(path: str) -> str:
     return path
 
 
+def needs_rewards(cfg: Config) -> bool:
+    """Offline DPO learns from the dataset's preferences: rewards are optional (validation only)."""
+    return not (cfg.algorithm.sample_source == "offline" and not cfg.reward.functions)
+
+
 def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """The checks every job needs before any model or Ray starts: loggers, model directory,
-    rewards, data files; returns the train and validation prompts."""
+    rewards, data files; returns the train and validation prompts (no validation without rewards)."""
     from diffrl.telemetry import check_loggers
 
     check_loggers(cfg.trainer.loggers)
     read_model_index(cfg.model.path)
-    reward_specs(cfg.reward.functions)
+    if needs_rewards(cfg):
+        reward_specs(cfg.reward.functions)
     if not cfg.data.train_files:
         raise ConfigError(
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
         )
     train = load_prompts([data_path(p) for p in cfg.data.train_files], cfg.data.prompt_key)
-    if cfg.data.val_files:
+    if not cfg.reward.functions:
+        val = []  # nothing to score validation samples with
+    elif cfg.data.val_files:
         val = load_prompts([data_path(p) for p in cfg.data.val_files], cfg.data.prompt_key)
     else:
         val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
@@ -61,12 +69,69 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
 
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
-    if cfg.algorithm.trainer_type != "policy_gradient":
-        raise ConfigError(
-            f"algorithm.trainer_type={cfg.algorithm.trainer_type!r} is not available yet: use policy_gradient"
-        )
+    _check_trainer_type(cfg)
     _reject_planned_keys(cfg)
-    return preflight_common(cfg)
+    if cfg.algorithm.trainer_type == "direct_preference":
+        _check_direct_preference(cfg)
+    train, val = preflight_common(cfg)
+    if cfg.algorithm.sample_source == "offline":
+        from diffrl.data.preference import check_pairs
+
+        pipe = cfg.rollout.pipeline
+        check_pairs(train, cfg.data.chosen_key, cfg.data.rejected_key, pipe.height, pipe.width)
+    return train, val
+
+
+def _check_trainer_type(cfg: Config) -> None:
+    """The loss and the loop must fit each other, in both directions: a policy-gradient loss needs
+    SDE transitions and log-probs, a direct-preference loss clean samples at fresh noise levels."""
+    from diffrl.algos import get_loss
+
+    mode, trainer_type = cfg.actor.loss.mode, cfg.algorithm.trainer_type
+    needs = getattr(get_loss(mode), "trainer_type", "policy_gradient")
+    if needs != trainer_type:
+        raise ConfigError(
+            f"actor.loss.mode={mode} needs algorithm.trainer_type={needs}, but it is {trainer_type}: set "
+            f"algorithm.trainer_type={needs}, or choose a {trainer_type} loss"
+        )
+
+
+def _check_direct_preference(cfg: Config) -> None:
+    """Settings of the direct-preference loop that would otherwise be silently ignored or fail late."""
+    from diffrl.trainer.direct_preference import needs_old_adapter
+
+    algo, mode = cfg.algorithm, cfg.actor.loss.mode
+    if algo.sample_source == "offline":
+        if mode != "dpo":
+            raise ConfigError(
+                f"algorithm.sample_source=offline reads preference pairs, which only actor.loss.mode=dpo "
+                f"trains on (got {mode}): set actor.loss.mode=dpo, or algorithm.sample_source=online"
+            )
+        if cfg.rollout.n != 2:
+            raise ConfigError(
+                f"rollout.n={cfg.rollout.n}: with algorithm.sample_source=offline each row is a group of "
+                "two images (chosen, rejected), so set rollout.n=2 (actor.mini_batch_size counts images)"
+            )
+    elif cfg.rollout.n < 2:
+        raise ConfigError(
+            f"rollout.n={cfg.rollout.n} must be >= 2: online {mode} compares the samples of one prompt"
+        )
+    rc, defaults = algo.rollout_correction, Config().algorithm
+    if rc != defaults.rollout_correction:
+        raise ConfigError(
+            "algorithm.rollout_correction has no effect with algorithm.trainer_type=direct_preference "
+            "(no SDE log-probs are compared): leave it at its defaults"
+        )
+    if algo.old_policy != defaults.old_policy and not needs_old_adapter(cfg):
+        raise ConfigError(
+            f"algorithm.old_policy has no effect with actor.loss.mode={mode} (no `old` adapter): leave it "
+            "at its defaults, or use diffusion_nft / awm with actor.loss.awm_ema_kl_coef > 0"
+        )
+    if needs_old_adapter(cfg) and cfg.model.lora.rank <= 0:
+        raise ConfigError(
+            f"actor.loss.mode={mode} needs an `old` adapter, which exists only with LoRA: set "
+            "model.lora.rank > 0"
+        )
 
 
 def _reject_planned_keys(cfg: Config) -> None:
@@ -74,8 +139,6 @@ def _reject_planned_keys(cfg: Config) -> None:
     not be silently ignored."""
     defaults = Config()
     planned = {
-        "algorithm.sample_source": (cfg.algorithm.sample_source, defaults.algorithm.sample_source),
-        "algorithm.old_policy": (cfg.algorithm.old_policy, defaults.algorithm.old_policy),
         "actor.optimizer_offload": (cfg.actor.optimizer_offload, defaults.actor.optimizer_offload),
     }
     for key, (value, default) in planned.items():
@@ -110,6 +173,20 @@ def reuse_rollout_log_probs(cfg: Config) -> bool:
     return mode == "rollout" or (mode == "auto" and not cfg.model.compile)
 
 
+def worker_options(cfg: Config) -> dict[str, Any]:
+    """What the workers' engines need beyond the config: an `old` adapter (DiffusionNFT, AWM's EMA
+    KL) and, for DPO under full fine-tuning, a frozen reference copy (its reference term is not a
+    KL coefficient the engine would see)."""
+    if cfg.algorithm.trainer_type != "direct_preference":
+        return {}
+    from diffrl.trainer.direct_preference import needs_old_adapter
+
+    options: dict[str, Any] = {"with_old": needs_old_adapter(cfg)}
+    if cfg.actor.loss.mode == "dpo":
+        options["with_reference"] = True
+    return options
+
+
 @contextmanager
 def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
@@ -121,6 +198,7 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
     started_ray, workers, rewards = False, None, None
+    roles = worker_options(cfg)
     try:
         if use_ray:
             # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
@@ -130,10 +208,11 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
                 num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
             )
             gpus = 1.0 if torch.cuda.is_available() else 0.0
-            workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus)
+            workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus, **roles)
         else:
-            workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True)
-        rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
+            workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
+        if cfg.reward.functions:  # offline DPO may run without rewards (no validation then)
+            rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
         yield workers, rewards
     finally:
         if rewards is not None:
@@ -205,16 +284,21 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     cfg = load_config(source, overrides)
     train_records, val_records = preflight(cfg)
     with job(cfg, source) as j:
-        trainer = PolicyGradientTrainer(
-            cfg,
-            j.run_dir,
+        loop_args = dict(
             workers=j.workers,
             rewards=j.rewards,
             train_records=train_records,
             val_records=val_records,
             logger=j.logger,
-            reuse_rollout_log_probs=reuse_rollout_log_probs(cfg),
         )
+        if cfg.algorithm.trainer_type == "direct_preference":
+            from diffrl.trainer.direct_preference import DirectPreferenceTrainer
+
+            trainer: TrainingLoop = DirectPreferenceTrainer(cfg, j.run_dir, **loop_args)
+        else:
+            trainer = PolicyGradientTrainer(
+                cfg, j.run_dir, reuse_rollout_log_probs=reuse_rollout_log_probs(cfg), **loop_args
+            )
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
     from diffrl.telemetry.report import write_report
 

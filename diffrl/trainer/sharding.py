@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +14,10 @@ from diffrl.data import PromptRecord
 from diffrl.models.base import PromptEmbeds
 from diffrl.rollout.types import Rollout
 from diffrl.workers.roles import PromptShard
+
+if TYPE_CHECKING:
+    from diffrl.config.schema import Config
+    from diffrl.workers.group import WorkerGroup
 
 
 def _negatives(records: Sequence[PromptRecord], default: str) -> list[str] | None:
@@ -32,6 +37,38 @@ def prompt_shard(
         negative_prompts=_negatives(records, negative),
         sample_offset=sample_offset,
     )
+
+
+def sample_groups(
+    cfg: Config,
+    workers: WorkerGroup,
+    records: Sequence[PromptRecord],
+    uids: Sequence[str],
+    *,
+    step: int,
+    rewards: Any,
+    method: str = "sample_and_score",
+    **method_kwargs: Any,
+) -> Rollout:
+    """Each worker samples `rollout.n` trajectories for an equal share of whole prompt groups with
+    `method` (`sample_and_score`, or `sample_and_score_policy` with a `policy`); their
+    micro-batches are scored as they decode. Returns the joined rollout, reward handles in extras."""
+    world = workers.size
+    per_worker = len(records) // world
+    n = cfg.rollout.n
+    shards = [
+        prompt_shard(
+            records[rank * per_worker : (rank + 1) * per_worker],
+            uids[rank * per_worker :],
+            rank * per_worker * n,
+            cfg.rollout.pipeline.negative_prompt,
+        )
+        for rank in range(world)
+    ]
+    rollouts = workers.scatter(
+        method, shards, seed=cfg.rollout_seed, step=step, rewards=rewards, **method_kwargs
+    )
+    return concat_rollouts(rollouts)
 
 
 def split_even(rollout: Rollout, parts: int) -> list[Rollout]:

@@ -134,7 +134,14 @@ class RolloutWorker:
 class ActorWorker:
     """The training engine in a worker process."""
 
-    def __init__(self, cfg: Config, adapter: ModelAdapter | None = None, *, with_old: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        adapter: ModelAdapter | None = None,
+        *,
+        with_old: bool = False,
+        with_reference: bool | None = None,
+    ):
         join_process_group()
         self.cfg = cfg
         adapter = adapter or build_adapter(cfg)
@@ -145,6 +152,7 @@ class ActorWorker:
             cfg.actor,
             total_optim_steps=cfg.trainer.total_steps * mini_batches * cfg.actor.epochs,
             with_old=with_old,
+            with_reference=with_reference,
             seed=cfg.trainer.seed,
         )
         if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
@@ -255,6 +263,63 @@ class ActorWorker:
     def optim_step(self) -> dict[str, float]:
         return self.engine.optim_step()
 
+    # ------------------------------------------------------------ direct preference (NFT, AWM, DPO)
+    def _velocity_call(self):
+        from diffrl.train.preference import VelocityCall
+
+        pipe = self.cfg.rollout.pipeline
+        return VelocityCall(
+            pipe.height, pipe.width, pipe.num_frames, pipe.guidance_scale, pipe.true_cfg_scale
+        )
+
+    def forward_process_backward(self, micro_batches: Sequence[Any], *, seed: int, step: int, epoch: int):
+        """NFT/AWM: accumulate the gradient of this worker's clean samples (`CleanBatch`es), each at
+        a random `algorithm.timestep_fraction` of the rollout schedule's noise levels."""
+        from diffrl.train.preference import forward_process_backward
+
+        cfg, adapter = self.cfg, self.engine.adapter
+        pipe = cfg.rollout.pipeline
+        # σ_0..σ_{N-1} of the schedule the rollout sampled with (the final σ = 0 is no noise level)
+        sigmas = adapter.schedule(pipe.num_inference_steps, pipe.height, pipe.width, pipe.num_frames).sigmas
+        return forward_process_backward(
+            self.engine,
+            micro_batches,
+            call=self._velocity_call(),
+            sigma_table=sigmas[:-1],
+            fraction=cfg.algorithm.timestep_fraction,
+            adv_mode=cfg.algorithm.adv_mode,
+            seed=seed,
+            step=step,
+            epoch=epoch,
+        )
+
+    def dpo_backward(self, micro_batches: Sequence[Any], *, seed: int, step: int, epoch: int):
+        """DPO: accumulate the gradient of this worker's preference pairs (`PairBatch`es)."""
+        from diffrl.train.preference import dpo_backward
+
+        return dpo_backward(
+            self.engine, micro_batches, call=self._velocity_call(), seed=seed, step=step, epoch=epoch
+        )
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (skipped non-finite steps excluded; restored on resume)."""
+        return self.engine.optim_steps
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 [B, 3, H, W] -> fp32 latents on the CPU (VAE posterior mode, or pixel space),
+        `actor.micro_batch_size` images at a time."""
+        micro = self.cfg.actor.micro_batch_size
+        adapter = self.engine.adapter
+        return torch.cat([adapter.encode(pixels[s : s + micro]).cpu() for s in range(0, len(pixels), micro)])
+
+    @torch.no_grad()
+    def encode_prompt_rows(self, prompts: Sequence[str]):
+        """One conditioning row per prompt on the CPU, without negatives (DPO's conditional velocity)."""
+        return self.engine.adapter.encode_prompts(
+            list(prompts), None, max_sequence_length=self.cfg.rollout.pipeline.max_sequence_length
+        ).to("cpu")
+
     def log_probs(self, rollout: Rollout, policy: str = POLICY) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, means = self.engine.log_probs(rollout.to(self.engine.adapter.device), policy)
         return log_probs.cpu(), means.cpu()
@@ -284,8 +349,15 @@ class ActorWorker:
 class HybridWorker(ActorWorker):
     """Actor and sampler on one module: new weights reach the sampler without any copy."""
 
-    def __init__(self, cfg: Config, adapter: ModelAdapter | None = None, *, with_old: bool = False):
-        super().__init__(cfg, adapter, with_old=with_old)
+    def __init__(
+        self,
+        cfg: Config,
+        adapter: ModelAdapter | None = None,
+        *,
+        with_old: bool = False,
+        with_reference: bool | None = None,
+    ):
+        super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference)
         self.rollout = RolloutWorker(cfg, self.engine.adapter)
         self._text_len = 0
 
@@ -318,6 +390,13 @@ class HybridWorker(ActorWorker):
         rollout = rollout.to("cpu")
         rollout.extras["reward_handles"] = handles
         return rollout
+
+    def sample_and_score_policy(
+        self, shard: PromptShard, *, policy: str, seed: int, step: int, rewards: Any
+    ) -> Rollout:
+        """`sample_and_score` with policy `policy` (DiffusionNFT samples with the `old` adapter)."""
+        with self.engine.use_policy(policy):
+            return self.sample_and_score(shard, seed=seed, step=step, rewards=rewards)
 
     def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
         """`sample_validation` of a shard of prompts, scored."""
