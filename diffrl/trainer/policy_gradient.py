@@ -39,7 +39,7 @@ from diffrl.seeding import SHUFFLE_STREAM, TIMESTEP_SUBSET_STREAM, generator, nu
 from diffrl.telemetry import mfu_metrics, peak_flops
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.sharding import concat_rollouts, prompt_shard, split_even
+from diffrl.trainer.sharding import sample_groups, split_even
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -110,22 +110,7 @@ class PolicyGradientTrainer(TrainingLoop):
 
     def _sample(self, records: Sequence[PromptRecord], uids: Sequence[str]) -> Rollout:
         """Each worker samples whole prompt groups; their micro-batches are scored as they decode."""
-        world = self.workers.size
-        per_worker = len(records) // world
-        n = self.cfg.rollout.n
-        shards = [
-            prompt_shard(
-                records[rank * per_worker : (rank + 1) * per_worker],
-                uids[rank * per_worker :],
-                rank * per_worker * n,
-                self.cfg.rollout.pipeline.negative_prompt,
-            )
-            for rank in range(world)
-        ]
-        rollouts = self.workers.scatter(
-            "sample_and_score", shards, seed=self.cfg.rollout_seed, step=self.step, rewards=self.rewards
-        )
-        return concat_rollouts(rollouts)
+        return sample_groups(self.cfg, self.workers, records, uids, step=self.step, rewards=self.rewards)
 
     def _train_mask(self, rollout: Rollout) -> torch.Tensor:
         """DanceGRPO: each sample trains a random `timestep_fraction` of the window steps, drawn
