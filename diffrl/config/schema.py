@@ -563,12 +563,22 @@ class Config:
                 f"{self.world_size} worker(s)",
             )
             return self
-        if self.algorithm.trainer_type == "policy_gradient":
+        if self.algorithm.sample_source == "online":
             _require(
                 n >= 2,
                 "rollout.n",
                 n,
-                "must be >= 2 for policy-gradient training: advantages compare samples of one prompt",
+                "must be >= 2 when training on rollouts: advantages (and DPO's pairs) compare the "
+                "samples of one prompt",
+            )
+        if self.algorithm.trainer_type == "policy_gradient":
+            _require(
+                self.algorithm.sample_source == "online",
+                "algorithm.sample_source",
+                self.algorithm.sample_source,
+                "must be online for policy-gradient training (it learns from its own SDE rollouts); "
+                "offline preference pairs need algorithm.trainer_type=direct_preference with "
+                "actor.loss.mode=dpo",
             )
             rc = self.algorithm.rollout_correction
             reuses = self.algorithm.old_log_probs == "rollout" or (

@@ -112,10 +112,6 @@ def _check_direct_preference(cfg: Config) -> None:
                 f"rollout.n={cfg.rollout.n}: with algorithm.sample_source=offline each row is a group of "
                 "two images (chosen, rejected), so set rollout.n=2 (actor.mini_batch_size counts images)"
             )
-    elif cfg.rollout.n < 2:
-        raise ConfigError(
-            f"rollout.n={cfg.rollout.n} must be >= 2: online {mode} compares the samples of one prompt"
-        )
     rc, defaults = algo.rollout_correction, Config().algorithm
     if rc != defaults.rollout_correction:
         raise ConfigError(

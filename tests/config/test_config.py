@@ -155,6 +155,10 @@ def test_wrong_type_names_key_value_and_expected_type():
             r"algorithm\.rollout_correction=.*has no effect when the trainer reuses.*old_log_probs=recompute",
         ),
         (
+            "algorithm.sample_source=offline",
+            r"algorithm\.sample_source='offline' is invalid: must be online for policy-gradient training",
+        ),
+        (
             "actor.loss.awm_weighting=huber",
             r"actor\.loss\.awm_weighting='huber' is invalid: must be one of 'uniform'",
         ),
