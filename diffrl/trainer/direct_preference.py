@@ -44,19 +44,18 @@ from diffrl.data.images import load_image_rows
 from diffrl.data.preference import (
     CACHE_DIR,
     CACHE_FILE,
-    check_pairs,
     encodings_fingerprint,
     load_encodings,
+    pair_paths,
     save_encodings,
 )
 from diffrl.models.base import PromptEmbeds
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
-from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
 from diffrl.train.engine import OLD, POLICY
 from diffrl.train.preference import CleanBatch, PairBatch, conditional, join_worker_metrics
 from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.sharding import sample_groups
+from diffrl.trainer.sharding import group_order, sample_groups
 
 DIRECT_PREFERENCE_LOSSES = ("diffusion_nft", "awm", "dpo")
 _ENCODE_CHUNK = 256  # images read and sent to the workers at a time while building the cache
@@ -88,12 +87,14 @@ class DirectPreferenceTrainer(TrainingLoop):
         self.last_decay: float | None = None
         self.skipped_steps = 0.0
         self.encodings: dict[str, torch.Tensor] | None = None  # offline: the cached encodings
+        self.prompt_table: PromptEmbeds | None = None  # offline: the prompts' conditioning rows
         self.train_records = list(loop_args["train_records"])
 
     # ------------------------------------------------------------------------------ run
     def fit(self) -> dict[str, float]:
         if self.offline and self.encodings is None:
             self.encodings = self._offline_encodings()
+            self.prompt_table = _prompt_embeds_from(self.encodings)
         return super().fit()
 
     def train_step(self) -> dict[str, float]:
@@ -149,7 +150,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         sums: dict[str, float] = defaultdict(float)
         count = 0
         for epoch in range(cfg.actor.epochs):
-            order = self._order(groups, epoch)
+            order = group_order(cfg, groups, self.step, epoch)
             rows = torch.tensor([g * n + j for g in order for j in range(n)])
             for start in range(0, len(rows), mini):
                 mini_rows = rows[start : start + mini]
@@ -195,9 +196,8 @@ class DirectPreferenceTrainer(TrainingLoop):
     # ------------------------------------------------------------------------------ offline
     def _offline_step(self, rows: Sequence[int]) -> dict[str, float]:
         """DPO on B dataset rows: each row is a pair, its own group (rollout.n = 2 images)."""
-        enc = self.encodings
-        assert enc is not None  # fit() loads them before the first step
-        cond = _prompt_embeds_from(enc)
+        enc, cond = self.encodings, self.prompt_table
+        assert enc is not None and cond is not None  # fit() loads them before the first step
         pairs = [
             (i, enc["chosen"][row], enc["rejected"][row], cond[int(enc["prompt_index"][row])], i)
             for i, row in enumerate(rows)
@@ -212,7 +212,8 @@ class DirectPreferenceTrainer(TrainingLoop):
         when it was computed from the same data and model, else encoded by the workers and cached."""
         cfg, pipe = self.cfg, self.cfg.rollout.pipeline
         records = self.train_records
-        pairs = check_pairs(records, cfg.data.chosen_key, cfg.data.rejected_key, pipe.height, pipe.width)
+        # preflight checked every file (check_pairs); here only the paths are needed
+        pairs = [pair_paths(r, cfg.data.chosen_key, cfg.data.rejected_key) for r in records]
         prompts = list(dict.fromkeys(r.prompt for r in records))
         fingerprint = encodings_fingerprint(
             pairs,
@@ -282,7 +283,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         count = 0
         skipped = 0
         for epoch in range(cfg.actor.epochs):
-            order = self._order(groups, epoch)
+            order = group_order(cfg, groups, self.step, epoch)
             for start in range(0, groups, groups_per_mini):
                 chosen = [p for g in order[start : start + groups_per_mini] for p in by_group.get(g, [])]
                 if not chosen:
@@ -302,12 +303,6 @@ class DirectPreferenceTrainer(TrainingLoop):
         return metrics
 
     # ------------------------------------------------------------------------------ shared
-    def _order(self, groups: int, epoch: int) -> list[int]:
-        """The order of the step's groups in `epoch`: shuffled per (seed, step, epoch), or as sampled."""
-        if not self.cfg.actor.shuffle:
-            return list(range(groups))
-        return numpy_rng(SHUFFLE_STREAM, self.cfg.trainer.seed, self.step, epoch).permutation(groups).tolist()
-
     def _accumulate(self, sums: dict[str, float], results: Sequence[dict[str, float]]) -> None:
         """Step the optimizer after a mini-batch's backward, then the old policy when it is due."""
         step_metrics = self.workers.call("optim_step")[0]
@@ -376,6 +371,7 @@ def _pair_batch(
     return PairBatch(
         chosen_latents=torch.stack([p[1] for p in pairs]),
         rejected_latents=torch.stack([p[2] for p in pairs]),
+        # dpo_backward uses the conditional rows only: drop the negatives before shipping to workers
         cond=conditional(torch.stack([p[3] for p in pairs])),
         pair_index_P=torch.tensor([p[4] for p in pairs], dtype=torch.long),
         weight=len(pairs) * world / total if weight is None else weight,

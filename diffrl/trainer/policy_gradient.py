@@ -35,11 +35,11 @@ from diffrl.config.schema import Config
 from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
-from diffrl.seeding import SHUFFLE_STREAM, TIMESTEP_SUBSET_STREAM, generator, numpy_rng
+from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.sharding import sample_groups, split_even
+from diffrl.trainer.sharding import group_order, sample_groups, split_even
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -134,11 +134,7 @@ class PolicyGradientTrainer(TrainingLoop):
         sums: dict[str, float] = defaultdict(float)
         count = 0
         for epoch in range(cfg.actor.epochs):
-            order = (
-                numpy_rng(SHUFFLE_STREAM, cfg.trainer.seed, self.step, epoch).permutation(groups)
-                if cfg.actor.shuffle
-                else range(groups)
-            )
+            order = group_order(cfg, groups, self.step, epoch)
             samples = torch.tensor([g * n + j for g in order for j in range(n)])
             for start in range(0, len(samples), mini):
                 mini_batch = rollout.select(samples[start : start + mini])

@@ -13,6 +13,7 @@ import torch
 from diffrl.data import PromptRecord
 from diffrl.models.base import PromptEmbeds
 from diffrl.rollout.types import Rollout
+from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
 from diffrl.workers.roles import PromptShard
 
 if TYPE_CHECKING:
@@ -69,6 +70,14 @@ def sample_groups(
         method, shards, seed=cfg.rollout_seed, step=step, rewards=rewards, **method_kwargs
     )
     return concat_rollouts(rollouts)
+
+
+def group_order(cfg: Config, groups: int, step: int, epoch: int) -> list[int]:
+    """The order in which a step's prompt groups (or pairs) form mini-batches in `epoch`: shuffled
+    per (seed, step, epoch) with `actor.shuffle`, else as sampled. Both trainers use it."""
+    if not cfg.actor.shuffle:
+        return list(range(groups))
+    return numpy_rng(SHUFFLE_STREAM, cfg.trainer.seed, step, epoch).permutation(groups).tolist()
 
 
 def split_even(rollout: Rollout, parts: int) -> list[Rollout]:
