@@ -137,6 +137,19 @@ def velocity(
         )
 
 
+def _frozen_velocity(
+    engine: TrainEngine,
+    policy: str,
+    coef: float,
+    latents: torch.Tensor,
+    sigmas_B: torch.Tensor,
+    cond: PromptEmbeds,
+    call: VelocityCall,
+) -> torch.Tensor | None:
+    """The no-grad velocity of a KL anchor (`policy`), or None when its coefficient is 0."""
+    return velocity(engine, policy, latents, sigmas_B, cond, call, grad=False) if coef > 0 else None
+
+
 # ------------------------------------------------------------------------------------ noise
 def forward_noise(
     sample_index_B: torch.Tensor,
@@ -182,11 +195,7 @@ def nft_loss(
     """The DiffusionNFT loss of `batch` at one noise level per sample (v_old, v_ref, then v_θ)."""
     x_t = interpolate(batch.latents, noise, sigmas_B)
     v_old = velocity(engine, OLD, x_t, sigmas_B, batch.cond, call, grad=False)
-    v_ref = (
-        velocity(engine, REFERENCE, x_t, sigmas_B, batch.cond, call, grad=False)
-        if loss_cfg.kl_coef > 0
-        else None
-    )
+    v_ref = _frozen_velocity(engine, REFERENCE, loss_cfg.kl_coef, x_t, sigmas_B, batch.cond, call)
     v = velocity(engine, POLICY, x_t, sigmas_B, batch.cond, call, grad=True)
     reward_prob_B = optimality_probability(batch.advantages_B.to(v.device), loss_cfg.adv_clip_max, adv_mode)
     inputs = NFTInputs(reward_prob_B, batch.latents, x_t, sigmas_B.to(v.device), v_old, v_ref)
@@ -204,16 +213,8 @@ def awm_loss(
     """The AWM loss of `batch` at one noise level per sample, on-policy (ρ ≡ 1): v_ref and v_ema
     (the `old` adapter) only when their KL terms are on, then v_θ."""
     x_t = interpolate(batch.latents, noise, sigmas_B)
-    v_ref = (
-        velocity(engine, REFERENCE, x_t, sigmas_B, batch.cond, call, grad=False)
-        if loss_cfg.kl_coef > 0
-        else None
-    )
-    v_ema = (
-        velocity(engine, OLD, x_t, sigmas_B, batch.cond, call, grad=False)
-        if loss_cfg.awm_ema_kl_coef > 0
-        else None
-    )
+    v_ref = _frozen_velocity(engine, REFERENCE, loss_cfg.kl_coef, x_t, sigmas_B, batch.cond, call)
+    v_ema = _frozen_velocity(engine, OLD, loss_cfg.awm_ema_kl_coef, x_t, sigmas_B, batch.cond, call)
     v = velocity(engine, POLICY, x_t, sigmas_B, batch.cond, call, grad=True)
     inputs = AWMInputs(
         batch.advantages_B.to(v.device),
