@@ -11,7 +11,8 @@ The defaults are a GPU-scale Flow-GRPO recipe (the SD3.5-Medium numbers of ALGOR
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from diffrl.algos.awm import AWM_WEIGHTINGS
@@ -40,6 +41,23 @@ def _require_positive(key: str, value: float) -> None:
 
 def _require_at_least(key: str, value: float, low: float) -> None:
     _require(value >= low, key, value, f"must be >= {low}")
+
+
+def _require_finite(value: Any, at: str) -> None:
+    """No float anywhere in the config (reward args and lists included) may be inf or nan: a
+    comparison with nan is always False, so range checks alone let it through (lr=inf trained
+    every step to NaN and exited 0)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{at}={value!r} is invalid: must be a finite number (not inf or nan)")
+    if is_dataclass(value):
+        for f in fields(value):
+            _require_finite(getattr(value, f.name), f"{at}.{f.name}" if at else f.name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _require_finite(item, f"{at}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _require_finite(item, f"{at}[{index}]")
 
 
 # --------------------------------------------------------------------------------------- model
@@ -500,7 +518,7 @@ class TrainerConfig:
     test_freq: int = 25  # steps between validations; 0 = never
     val_before_train: bool = True
     output_dir: str = "runs"
-    run_name: str | None = None  # null = "<preset>-<timestamp>"
+    run_name: str | None = None  # null = "<preset>-<timestamp>"; a folder name, no path
     resume: str = "auto"  # auto: newest complete checkpoint of the run; off; or a checkpoint path
     keep_checkpoints: int = 3  # the newest K are kept
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
@@ -508,6 +526,7 @@ class TrainerConfig:
     nnodes: int = 1
     ray_address: str | None = None  # join this Ray cluster; null = start a local one
     seed: int = 42
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -529,6 +548,18 @@ class TrainerConfig:
         _require_at_least(f"{at}.n_gpus_per_node", self.n_gpus_per_node, 1)
         _require_at_least(f"{at}.nnodes", self.nnodes, 1)
         _require_at_least(f"{at}.seed", self.seed, 0)
+        _require_at_least(f"{at}.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        if self.run_name is not None:
+            # The run folder is output_dir/run_name: a separator or '..' would write elsewhere.
+            _require(
+                bool(self.run_name)
+                and self.run_name not in (".", "..")
+                and not any(sep in self.run_name for sep in ("/", "\\", "\0")),
+                f"{at}.run_name",
+                self.run_name,
+                "must be a plain folder name (no '/', '\\', '.' or '..'); it is created inside "
+                "trainer.output_dir, so put a different parent folder in trainer.output_dir",
+            )
 
 
 # ---------------------------------------------------------------------------------------- root
@@ -549,6 +580,7 @@ class Config:
         """Check every section, then the rules that span sections for `job` (`train`: RL batch
         arithmetic; `sft`: images per step over micro-batches; `eval`: neither); returns self."""
         _require_choice("job", job, self.JOBS)
+        _require_finite(self, "")
         for section in fields(self):
             getattr(self, section.name).validate(section.name)
         n, mini, micro = self.rollout.n, self.actor.mini_batch_size, self.actor.micro_batch_size
