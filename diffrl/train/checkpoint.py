@@ -1,31 +1,50 @@
-"""Training checkpoints: weights, optimizer, scheduler, counters and RNG, with torch.distributed.checkpoint.
+"""Training checkpoints: weights, optimizer, scheduler, counters and RNG, in a format that executes nothing.
 
-Layout of one checkpoint, `<root>/step_<step:08d>/`:
+Layout of one checkpoint, `<root>/step_<step:08d>/` (format version 2):
 
-    .metadata, *.distcp   DCP: "model" (adapter weights or the full model), "optim", "scheduler"
-    meta.json             how it was saved: trainable_only, adapters (rank, alpha, targets), world size
-    extra.json            the caller's counters (rank 0's `extra`: step, data sampler position, ...)
-    rng/rank_<r>.pt       python `random`, numpy, torch CPU (and this rank's CUDA device) RNG states
-    complete              written last: the checkpoint is whole
+    model/shard-<r+1>-model-00001-of-00001.safetensors   rank r's part of the model state (tensors)
+    optim/shard-<r+1>-model-00001-of-00001.safetensors   rank r's part of the optimizer state tensors
+    optim.json           the rest of the optimizer: param groups (hyper-parameters, parameter FQNs), the
+                         non-tensor per-parameter values, and which tensors each parameter has
+    scheduler.json       the LR scheduler's state_dict
+    meta.json            how it was saved: trainable_only, adapters (rank, alpha, targets), world size
+    extra.json           the caller's counters (rank 0's `extra`: step, data sampler position, ...)
+    rng/rank_<r>.json    python `random`, numpy, torch CPU (and this rank's CUDA device) RNG states
+    manifest.json        every file above with its size and sha256
+    complete             written last: the sha256 of manifest.json, vouching that the checkpoint is whole
 
-Why DCP: each rank writes only its own shards (FSDP2 DTensors) and a load reshards to the loading
-run's layout, with or without a process group. The model and optimizer state dicts come from
-`torch.distributed.checkpoint.state_dict.get_state_dict` (its FQN keys do not depend on FSDP or
-activation-checkpoint wrappers) and go back through `set_state_dict`.
+Nothing in a checkpoint is unpickled: tensors are safetensors (a JSON header and raw bytes), the rest
+is JSON. The previous format (torch.distributed.checkpoint's `.metadata`/`*.distcp`, version 1)
+unpickled its `.metadata` on load, so a crafted file ran code; it is refused, never read.
+
+Why per-rank safetensors through DCP: `torch.distributed.checkpoint` with its Hugging Face storage
+writer (`save_distributed=True`) has every rank write only its own FSDP2 shards (no rank gathers
+the model or the optimizer: a 12B model's Adam state is ~100 GB that no single rank could hold),
+and its reader rebuilds the global layout from the safetensors headers (offsets stored as JSON in
+their metadata), so a load reshards to the loading run's layout, with or without a process group.
+The state dicts come from `torch.distributed.checkpoint.state_dict.get_state_dict`-style helpers
+(FQN keys that do not depend on FSDP or activation-checkpoint wrappers) and go back through
+`set_model_state_dict` / `set_optimizer_state_dict`.
+
+Integrity: a load first checks the manifest against the directory (no file missing, none extra,
+sizes equal, names of the kinds listed above) and then every file's sha256, before any byte is
+parsed; a mismatch is a `CheckpointError` (a ValueError) naming the file and the fix. Under a
+process group the hashing is split across the ranks. `latest_checkpoint` returns the newest
+checkpoint that verifies and logs a warning for every newer one it skipped.
 
 Crash safety: a save writes into `<root>/.tmp-step_<step>/` and rank 0 renames it to
-`step_<step>/` only after every rank has finished and the `complete` marker is in place, so a crash
-mid-save leaves the previous checkpoints untouched; `latest_checkpoint` only ever returns a
-complete one, and the next save removes leftover temporary directories. Old checkpoints beyond
-`keep_last` are removed after the rename (renamed aside first, then deleted, so a half-deleted
-directory never looks like a checkpoint).
+`step_<step>/` only after every rank has finished and the manifest and `complete` marker are on
+disk (fsynced), so a crash mid-save leaves the previous checkpoints untouched; the next save removes
+leftover temporary directories. Old checkpoints beyond `keep_last` are removed after the rename
+(renamed aside first, then deleted, so a half-deleted directory never looks like a checkpoint).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -37,7 +56,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,17 +67,37 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from diffrl.train.distributed import barrier, is_distributed, world_size
+from diffrl.train.distributed import all_reduce_mean, barrier, is_distributed, world_size
 from diffrl.train.distributed import rank as process_rank
 from diffrl.train.export import adapter_key_predicate, lora_adapter_names
 
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
 COMPLETE_MARKER = "complete"
+MANIFEST = "manifest.json"
+MODEL_DIR, OPTIM_DIR, RNG_DIR = "model", "optim", "rng"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+_PARTS_DIR = ".manifest-parts"
+# Every file a checkpoint may hold besides the manifest and the marker. Anything else (a `.pt`,
+# DCP's `.metadata`, a `.pkl`) was not written by save_checkpoint and is refused, not ignored.
+_ALLOWED_FILE = re.compile(
+    r"^(meta\.json|extra\.json|optim\.json|scheduler\.json|rng/rank_\d{5}\.json"
+    r"|(model|optim)/shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors)$"
+)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # The LoraConfig fields that decide which tensors an adapter has and how they scale.
 _LORA_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
+_FIX = (
+    "this checkpoint is damaged or was not written by diffrl: load another one (trainer.resume=auto skips "
+    "damaged checkpoints and takes the newest intact one), or delete it"
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded: damaged, altered, incomplete or of an unsafe old format."""
 
 
 # ---------------------------------------------------------------------------------- process group
@@ -86,9 +127,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _json_bytes(value: Any, what: str, fix: str) -> bytes:
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, allow_nan=True).encode()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} must be JSON-able (numbers, strings, lists, dicts): {err}; {fix}") from err
+
+
+def _read_json(path: Path, name: str) -> Any:
+    """A checkpoint's JSON file (already checksummed); a malformed one is a CheckpointError naming it."""
+    try:
+        return json.loads((path / name).read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {name} is not valid JSON ({err}); {_FIX}") from err
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def step_dir(root: str | Path, step: int) -> Path:
     """`<root>/step_<step:08d>`: the name sorts by step as text too."""
     return Path(root) / f"step_{step:08d}"
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """This rank's part of `names` (sorted) when the ranks split hashing work round-robin."""
+    return sorted(names)[process_rank() :: world_size()]
 
 
 # ---------------------------------------------------------------------------------- state dicts
@@ -123,28 +192,53 @@ def _lora_summary(model: nn.Module) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def _split_optimizer_state(state: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:
+    """(tensors, description, scalars) of an optimizer state {fqn: {key: tensor or number}}.
+
+    Tensors (moments, Adam's `step`) go to safetensors; numbers and flags stay JSON. The
+    description lists each parameter's tensor keys, so a load asks for exactly those.
+    """
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    description: dict[str, list[str]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, values in state.items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(fqn, {})[key] = value
+                description.setdefault(fqn, []).append(key)
+            elif value is None or isinstance(value, bool | int | float | str):
+                scalars.setdefault(fqn, {})[key] = value
+            else:
+                raise ValueError(
+                    f"optimizer state {fqn!r}[{key!r}] is a {type(value).__name__}: checkpoints store tensors "
+                    "and numbers only; use an optimizer whose state is tensors and numbers (torch.optim's are)"
+                )
+    return tensors, {fqn: sorted(keys) for fqn, keys in description.items()}, scalars
+
+
 # ---------------------------------------------------------------------------------- RNG
 def _rng_state() -> dict[str, Any]:
-    """This process's global RNG states, in types `torch.load(weights_only=True)` accepts.
+    """This process's global RNG states as JSON values (byte states as lists of ints).
 
     CUDA: the current device's generator (diffrl runs one process per GPU), and only once CUDA is
     initialised: a process that never touched CUDA has drawn nothing from it (and asking would
     create a CUDA context on a CPU run).
     """
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
-        "python": random.getstate(),
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
         "numpy": {
             "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": keys.astype(np.int64).tolist(),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
+            "gauss": float(np_gauss),
         },
-        "torch": torch.get_rng_state(),
+        "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -154,16 +248,51 @@ def _set_rng_state(state: dict[str, Any], source: Path) -> None:
             f"{source} holds a CUDA RNG state but CUDA is not available here: the run cannot continue "
             "bit-identically on this machine; pass restore_rng=False to load everything else"
         )
-    random.setstate(state["python"])
-    numpy = state["numpy"]
-    keys = numpy["keys"].numpy().astype(np.uint32)
-    np.random.set_state((numpy["kind"], keys, numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+    try:
+        python, numpy = state["python"], state["numpy"]
+        python_state = (int(python["version"]), tuple(int(v) for v in python["internal"]), python["gauss"])
+        numpy_state = (
+            str(numpy["kind"]),
+            np.asarray(numpy["keys"], dtype=np.int64).astype(np.uint32),
+            int(numpy["pos"]),
+            int(numpy["has_gauss"]),
+            float(numpy["gauss"]),
+        )
+        torch_state = torch.tensor(state["torch"], dtype=torch.uint8)
+        cuda_state = torch.tensor(state["cuda"], dtype=torch.uint8) if "cuda" in state else None
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(
+            f"{source} is not a valid RNG state ({type(err).__name__}: {err}); {_FIX}"
+        ) from err
+    if cuda_state is not None:
+        torch.cuda.set_rng_state(cuda_state)
 
 
 # ---------------------------------------------------------------------------------- save
+def _save_tensors(state: dict[str, Any], directory: Path) -> None:
+    """Every rank writes its own shards of `state` as safetensors (see the module docstring)."""
+    with _single_process_quiet():
+        dcp.save(
+            state,
+            storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True),
+            no_dist=not is_distributed(),
+        )
+
+
+def _data_files(directory: Path, skip_dir: str | None = None) -> list[str]:
+    """Every file under `directory`, as sorted '/'-separated relative paths (hidden ones too)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        if skip_dir in dirnames:
+            dirnames.remove(skip_dir)
+        for filename in filenames:
+            found.append((Path(dirpath) / filename).relative_to(directory).as_posix())
+    return sorted(found)
+
+
 def save_checkpoint(
     ckpt_dir_root: str | Path,
     step: int,
@@ -177,7 +306,7 @@ def save_checkpoint(
 ) -> Path:
     """Write `<root>/step_<step:08d>/` atomically and return it; keep only the newest `keep_last`.
 
-    Call it on every rank (DCP writes each rank's shards; under a process group this is a
+    Call it on every rank (each rank writes its own shards; under a process group this is a
     collective) with the same `step`, `extra` and `keep_last`; rank 0's `extra` is stored.
     `trainable_only=True` stores the LoRA adapter weights (every named adapter) and not the base
     model; False stores the full model. The optimizer state is stored once the optimizer has
@@ -192,27 +321,34 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be >= 1 (or None to keep every checkpoint); got {keep_last}")
     if not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict of JSON-able values (step counters, ...); got {type(extra)}")
-    try:
-        extra_json = json.dumps(extra, indent=2, sort_keys=True)
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"extra must be JSON-able (numbers, strings, lists, dicts): {err}; convert tensors with .item() "
-            "or .tolist()"
-        ) from err
+    extra_json = _json_bytes(extra, "extra", "convert tensors with .item() or .tolist()")
+    scheduler_json = None
+    if scheduler is not None:
+        scheduler_json = _json_bytes(
+            scheduler.state_dict(),
+            f"the scheduler state of {type(scheduler).__name__}",
+            "use a scheduler whose state is numbers and lists (torch.optim.lr_scheduler's with plain functions)",
+        )
 
     root = Path(ckpt_dir_root)
     final = step_dir(root, step)
     tmp = root / f"{_TMP_PREFIX}{final.name}"
     rank = process_rank()
 
-    state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
-    # An optimizer that has not stepped has no state; asking DCP for one would initialise it with a
+    model_state = _model_state(model, trainable_only)
+    # An optimizer that has not stepped has no state; asking for one would initialise it with a
     # zero step (torch's _init_optim_state), shifting Adam's bias correction, so store none.
     has_optimizer_state = optimizer is not None and bool(optimizer.state)
+    optim_tensors: dict[str, Any] = {}
+    optim_json = None
     if has_optimizer_state:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        optim_tensors, description, scalars = _split_optimizer_state(optim_state["state"])
+        optim_json = _json_bytes(
+            {"param_groups": optim_state["param_groups"], "tensors": description, "scalars": scalars},
+            "the optimizer's param groups",
+            "keep hyper-parameters numbers, strings or lists",
+        )
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -220,12 +356,11 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()
 
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
-    (tmp / "rng").mkdir(exist_ok=True)
-    rng = io.BytesIO()
-    torch.save(_rng_state(), rng)
-    _write_durable(tmp / "rng" / f"rank_{rank:05d}.pt", rng.getvalue())
+    _save_tensors(model_state, tmp / MODEL_DIR)
+    if optim_tensors:
+        _save_tensors(optim_tensors, tmp / OPTIM_DIR)
+    (tmp / RNG_DIR).mkdir(exist_ok=True)
+    _write_durable(tmp / RNG_DIR / f"rank_{rank:05d}.json", _json_bytes(_rng_state(), "RNG state", ""))
     if rank == 0:
         meta = {
             "format_version": FORMAT_VERSION,
@@ -237,13 +372,38 @@ def save_checkpoint(
             "world_size": world_size(),
             "torch_version": torch.__version__,
         }
-        _write_durable(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True).encode())
-        _write_durable(tmp / "extra.json", extra_json.encode())
-    barrier()  # every rank's shards and RNG file are on disk
+        _write_durable(tmp / "meta.json", _json_bytes(meta, "meta", ""))
+        _write_durable(tmp / "extra.json", extra_json)
+        if scheduler_json is not None:
+            _write_durable(tmp / "scheduler.json", scheduler_json)
+        if optim_json is not None:
+            _write_durable(tmp / "optim.json", optim_json)
+        (tmp / _PARTS_DIR).mkdir()
+    barrier()  # every rank's files are on disk
+
+    # Each rank hashes a share of the files (a big model's shards take minutes on one core).
+    names = _data_files(tmp, skip_dir=_PARTS_DIR)
+    part = {
+        name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        for name in _my_share(names)
+    }
+    _write_durable(tmp / _PARTS_DIR / f"rank_{rank:05d}.json", _json_bytes(part, "manifest part", ""))
+    barrier()
 
     if rank == 0:
-        _fsync_dir(tmp / "rng")
-        _write_durable(tmp / COMPLETE_MARKER, f"{step}\n".encode())
+        files: dict[str, Any] = {}
+        for part_file in sorted((tmp / _PARTS_DIR).iterdir()):
+            files.update(json.loads(part_file.read_bytes()))
+        assert sorted(files) == names, "every file is hashed by exactly one rank"
+        shutil.rmtree(tmp / _PARTS_DIR)
+        for sub in (MODEL_DIR, OPTIM_DIR, RNG_DIR):
+            if (tmp / sub).is_dir():
+                _fsync_dir(tmp / sub)
+        manifest = _json_bytes(
+            {"format_version": FORMAT_VERSION, "step": step, "files": files}, "manifest", ""
+        )
+        _write_durable(tmp / MANIFEST, manifest)
+        _write_durable(tmp / COMPLETE_MARKER, f"{hashlib.sha256(manifest).hexdigest()}\n".encode())
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step: move the old one aside, never delete before the rename
             final.rename(root / f"{_TRASH_PREFIX}{final.name}")
@@ -272,9 +432,176 @@ def _prune(root: Path, keep_last: int, protect: Path) -> None:
             shutil.rmtree(trash)
 
 
+# ---------------------------------------------------------------------------------- verify
+def _is_legacy(path: Path) -> bool:
+    """A checkpoint of format 1 (torch.distributed.checkpoint): recognised by names only, never read."""
+    if (path / MANIFEST).exists():
+        return False
+    return (path / ".metadata").exists() or any(path.glob("*.distcp"))
+
+
+def _refuse_legacy(path: Path) -> None:
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was written by an older diffrl (format 1, torch.distributed.checkpoint): "
+        "loading it unpickles its .metadata file, which can run arbitrary code, so this diffrl refuses to read "
+        "it. Re-train (the run's config.yaml reproduces it), or, only if you trust where the files came from, "
+        "export its weights with the diffrl version that wrote it (diffrl export RUN --out DIR) and start from "
+        "that export"
+    )
+
+
+def _walk_entries(path: Path) -> tuple[list[str], list[str]]:
+    """(files, anomalies) under `path`: files as relative paths; symlinks and special files as anomalies."""
+    files, anomalies = [], []
+    for dirpath, dirnames, filenames in os.walk(path):
+        base = Path(dirpath)
+        for name in list(dirnames):
+            if (base / name).is_symlink():
+                anomalies.append(f"{(base / name).relative_to(path).as_posix()} (a symlink)")
+                dirnames.remove(name)
+        for name in filenames:
+            entry = base / name
+            relative = entry.relative_to(path).as_posix()
+            if entry.is_symlink() or not entry.is_file():
+                anomalies.append(f"{relative} (a symlink or special file)")
+            else:
+                files.append(relative)
+    return sorted(files), anomalies
+
+
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's file table, after checking that the `complete` marker vouches for it."""
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no {MANIFEST}; {_FIX}")
+    manifest_bytes = (path / MANIFEST).read_bytes()
+    marker = (path / COMPLETE_MARKER).read_bytes().strip()
+    if marker != hashlib.sha256(manifest_bytes).hexdigest().encode():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {MANIFEST} does not match the sha256 in the {COMPLETE_MARKER!r} marker "
+            f"(one of them is truncated or altered); {_FIX}"
+        )
+    manifest = _read_json(path, MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {MANIFEST} is not a format-{FORMAT_VERSION} manifest; {_FIX}"
+        )
+    for name, entry in files.items():
+        if not _ALLOWED_FILE.match(name):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: {MANIFEST} lists {name!r}, which is not a file diffrl writes "
+                f"(checkpoints hold only JSON and safetensors files); {_FIX}"
+            )
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256.match(entry["sha256"])
+        ):
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} entry {name!r} is malformed; {_FIX}")
+    return files
+
+
+def _hash_problems(path: Path, files: dict[str, dict[str, Any]], names: list[str]) -> dict[str, str]:
+    """{file: what is wrong} for the `names` whose content is not what the manifest says."""
+    problems = {}
+    for name in names:
+        if _sha256(path / name) != files[name]["sha256"]:
+            problems[name] = "its sha256 differs from the manifest's (the content was altered)"
+        elif name.endswith(".safetensors"):
+            try:  # the header only: a file that hashes right but does not parse was forged with its manifest
+                with safe_open(str(path / name), framework="pt") as f:
+                    f.keys()
+            except Exception as err:  # safetensors raises its own error types
+                problems[name] = f"it is not a valid safetensors file ({err})"
+    return problems
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check a checkpoint directory against its manifest and return its meta.json; nothing is unpickled.
+
+    Raises FileNotFoundError for a missing path and `CheckpointError` (a ValueError) naming the
+    file and the fix when the checkpoint is incomplete, of the unsafe old format, or differs from
+    its manifest in any way: a file missing, extra (e.g. a planted `.pt` or `.metadata`), truncated
+    or altered. Under a process group call it on every rank: the ranks hash a share each.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} does not exist: pass a step_XXXXXXXX directory written by "
+            "save_checkpoint (latest_checkpoint(root) finds the newest)"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a file: pass a step_XXXXXXXX directory")
+    if _is_legacy(path):
+        _refuse_legacy(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        if _complete_checkpoints(path):
+            raise CheckpointError(
+                f"{str(path)!r} is a checkpoint root, not a checkpoint: pass one of its step_XXXXXXXX "
+                f"directories, e.g. latest_checkpoint(root) = {_latest_quietly(path)}"
+            )
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete (no {COMPLETE_MARKER!r} marker: its save was interrupted "
+            f"or it was not written by save_checkpoint); load a complete one instead, e.g. the newest in "
+            f"{str(path.parent)!r}: {_latest_quietly(path.parent)}"
+        )
+    files = _read_manifest(path)
+    on_disk, anomalies = _walk_entries(path)
+    on_disk = [name for name in on_disk if name not in (MANIFEST, COMPLETE_MARKER)]
+    extra_files = sorted(set(on_disk) - set(files)) + anomalies
+    if extra_files:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds file(s) its manifest does not list: {extra_files}. diffrl "
+            "checkpoints hold only JSON and safetensors files and never unpickle anything; a .pt, .pkl or "
+            f".metadata file there was not written by save_checkpoint. Delete the file(s) if you know where "
+            f"they came from; otherwise {_FIX}"
+        )
+    for name in sorted(files):
+        if name not in on_disk:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is missing {name!r} (listed in its manifest); {_FIX}"
+            )
+        size = (path / name).stat().st_size
+        if size != files[name]["size"]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: {name!r} has {size} bytes, its manifest says {files[name]['size']} "
+                f"(truncated or altered); {_FIX}"
+            )
+    problems = _hash_problems(path, files, _my_share(list(files)))
+    if is_distributed():  # every rank must raise the same error, or the others would wait for it
+        flags = all_reduce_mean({name: float(name in problems) for name in files})
+        problems = {
+            name: problems.get(name, "another rank found its sha256 or header wrong")
+            for name, flag in flags.items()
+            if flag > 0
+        }
+    if problems:
+        listed = "; ".join(f"{name!r}: {why}" for name, why in sorted(problems.items()))
+        raise CheckpointError(f"checkpoint {str(path)!r} failed verification: {listed}; {_FIX}")
+
+    meta = _read_json(path, "meta.json")
+    required = (
+        "format_version",
+        "trainable_only",
+        "adapters",
+        "has_optimizer_state",
+        "has_scheduler",
+        "world_size",
+    )
+    if not isinstance(meta, dict) or any(key not in meta for key in required):
+        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json lacks some of {list(required)}; {_FIX}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {meta['format_version']}; this diffrl reads "
+            f"version {FORMAT_VERSION}"
+        )
+    return meta
+
+
 # ---------------------------------------------------------------------------------- find
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints under `root`, oldest first."""
+    """(step, path) of the step directories under `root` that have a `complete` marker, oldest first."""
     if not root.is_dir():
         return []
     found = []
@@ -285,56 +612,60 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (highest step), or None when there is none.
+def _latest_quietly(root: Path) -> Path | None:
+    """For hints inside error messages: the newest checkpoint that verifies, without warnings or errors."""
+    for _, path in reversed(_complete_checkpoints(root)):
+        with contextlib.suppress(ValueError, OSError):
+            verify_checkpoint(path)
+            return path
+    return None
 
-    Temporary directories of interrupted saves and directories without the `complete` marker are
-    never returned. A missing `root` is a run that has not saved yet: None.
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint under `root` that verifies (see `verify_checkpoint`), or None when there is none.
+
+    A checkpoint that fails verification (damaged, altered, of the unsafe old format) is skipped
+    with a warning naming it and why, and the next older one is tried. Temporary directories of
+    interrupted saves and step directories without the `complete` marker are not checkpoints.
+    A missing `root` is a run that has not saved yet: None. When checkpoints exist but none
+    verifies, this raises a CheckpointError listing them: starting over silently would lose the run.
+
+    Call it in one process (the driver), not under a process group: it hashes every file itself.
     """
-    complete = _complete_checkpoints(Path(root))
-    return complete[-1][1] if complete else None
+    candidates = _complete_checkpoints(Path(root))
+    skipped = []
+    for _, path in reversed(candidates):
+        try:
+            verify_checkpoint(path)
+        except (ValueError, OSError) as err:
+            log.warning("skipping checkpoint %s: %s", path, err)
+            skipped.append(f"{path.name}: {err}")
+            continue
+        if skipped:
+            log.warning("using checkpoint %s (skipped %d newer damaged one(s))", path, len(skipped))
+        return path
+    if skipped:
+        raise CheckpointError(
+            f"no checkpoint in {str(root)!r} verifies: "
+            + " | ".join(skipped)
+            + ". Resume from a copy you trust (trainer.resume=PATH), or start a new run (another trainer.run_name)"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------- load
-def _check_readable(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise FileNotFoundError(
-            f"checkpoint {str(path)!r} does not exist: pass a step_XXXXXXXX directory written by "
-            "save_checkpoint (latest_checkpoint(root) finds the newest)"
-        )
-    if not path.is_dir():
-        raise ValueError(f"checkpoint {str(path)!r} is a file: pass a step_XXXXXXXX directory")
-    if not (path / COMPLETE_MARKER).is_file():
-        if _complete_checkpoints(path):
-            raise ValueError(
-                f"{str(path)!r} is a checkpoint root, not a checkpoint: pass one of its step_XXXXXXXX "
-                f"directories, e.g. latest_checkpoint(root) = {latest_checkpoint(path)}"
-            )
-        previous = latest_checkpoint(path.parent)
-        raise ValueError(
-            f"checkpoint {str(path)!r} is incomplete (no {COMPLETE_MARKER!r} marker: its save was interrupted "
-            f"or it was not written by save_checkpoint); load a complete one instead, e.g. the newest in "
-            f"{str(path.parent)!r}: {previous}"
-        )
-    meta = json.loads((path / "meta.json").read_text())
-    if meta["format_version"] != FORMAT_VERSION:
-        raise ValueError(
-            f"checkpoint {str(path)!r} has format version {meta['format_version']}; this diffrl reads "
-            f"version {FORMAT_VERSION}"
-        )
-    return meta
+def _saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Key -> global shape of the tensors in a per-rank safetensors directory, from the headers (JSON)."""
+    if not directory.is_dir():
+        return {}
+    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    return {key: tuple(item.size) for key, item in metadata.state_dict_metadata.items()}
 
 
-def _saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """FQN -> global shape of the model tensors in the DCP checkpoint, read from its metadata."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    assert metadata.planner_data is not None, "diffrl checkpoints are saved with DCP's flattening planner"
-    shapes = {}
-    for key, item in metadata.state_dict_metadata.items():
-        location = metadata.planner_data[key]
-        if location[0] == "model" and hasattr(item, "size"):
-            shapes[location[1]] = tuple(item.size)
-    return shapes
+def _load_tensors(state: dict[str, Any], directory: Path) -> None:
+    """Fill `state`'s tensors (this rank's shards) in place from a per-rank safetensors directory."""
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_distributed())
 
 
 def _diff_lines(saved: dict[str, tuple], model: dict[str, tuple], limit: int = 5) -> list[str]:
@@ -356,7 +687,7 @@ def _check_model_matches(
     path: Path, meta: dict[str, Any], model: nn.Module, model_state: dict[str, Any], trainable_only: bool
 ) -> None:
     """Raise, saying what differs and the fix, when the checkpoint's weights do not fit `model`."""
-    saved_shapes = _saved_model_shapes(path)
+    saved_shapes = _saved_shapes(path / MODEL_DIR)
     model_shapes = {key: tuple(value.shape) for key, value in model_state.items() if hasattr(value, "shape")}
     if not trainable_only:
         lines = _diff_lines(saved_shapes, model_shapes)
@@ -408,6 +739,43 @@ def _check_model_matches(
         )
 
 
+def _restore_types(saved: Any, live: Any) -> Any:
+    """JSON turns tuples (Adam's betas) into lists: give them back the live optimizer's type."""
+    if isinstance(saved, dict) and isinstance(live, dict):
+        return {key: _restore_types(value, live.get(key)) for key, value in saved.items()}
+    if isinstance(saved, list) and isinstance(live, tuple):
+        return tuple(saved)
+    return saved
+
+
+def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    saved = _read_json(path, "optim.json")
+    try:
+        description, scalars, groups = saved["tensors"], saved["scalars"], saved["param_groups"]
+        live = get_optimizer_state_dict(model, optimizer)  # initialises the state tensors to fill
+        target: dict[str, dict[str, Any]] = {}
+        for fqn, keys in description.items():
+            have = live["state"].get(fqn, {})
+            if not set(keys) <= set(have):
+                raise ValueError(
+                    f"the checkpoint's optimizer state for {fqn!r} has {sorted(keys)}, the optimizer has "
+                    f"{sorted(k for k, v in have.items() if isinstance(v, torch.Tensor))}: resume with the "
+                    "optimizer it was saved with (same actor.optim)"
+                )
+            target[fqn] = {key: have[key] for key in keys}
+        if len(groups) != len(live["param_groups"]):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
+                f"{len(live['param_groups'])}: resume with the optimizer it was saved with"
+            )
+    except (KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: optim.json is malformed ({err}); {_FIX}") from err
+    _load_tensors(target, path / OPTIM_DIR)
+    state = {fqn: {**target.get(fqn, {}), **scalars.get(fqn, {})} for fqn in set(target) | set(scalars)}
+    param_groups = [_restore_types(g, lg) for g, lg in zip(groups, live["param_groups"], strict=True)]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": param_groups})
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -420,14 +788,16 @@ def load_checkpoint(
     """Restore a `save_checkpoint` directory into `model`/`optimizer`/`scheduler` and return its `extra`.
 
     Call it on every rank, after the model has its adapters (same names, ranks and targets as when
-    saved) and after FSDP sharding, with `trainable_only` as when saved. The weights are checked
-    against the checkpoint's metadata before anything is read, so a mismatch raises a ValueError
-    naming what differs, and leaves the model untouched. `optimizer=None`/`scheduler=None` skip
-    their state (e.g. loading weights for export). `restore_rng=True` restores this rank's python,
-    numpy, torch and CUDA RNG states (the run's world size must match the saved one).
+    saved) and after FSDP sharding, with `trainable_only` as when saved. The checkpoint is first
+    verified against its manifest (`verify_checkpoint`: a damaged, altered or old-format checkpoint
+    raises a CheckpointError, a ValueError, naming the file), then the weights are checked against
+    the saved shapes, so a mismatch raises a ValueError naming what differs and leaves the model
+    untouched. `optimizer=None`/`scheduler=None` skip their state (e.g. loading weights for export).
+    `restore_rng=True` restores this rank's python, numpy, torch and CUDA RNG states (the run's
+    world size must match the saved one).
     """
     path = Path(path)
-    meta = _check_readable(path)
+    meta = verify_checkpoint(path)
     if meta["trainable_only"] != trainable_only:
         saved = "LoRA adapters only" if meta["trainable_only"] else "the full model"
         raise ValueError(
@@ -439,30 +809,25 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint {str(path)!r} was saved without a scheduler state: pass scheduler=None to load it"
         )
-    rng_file = path / "rng" / f"rank_{process_rank():05d}.pt"
+    rng_file = path / RNG_DIR / f"rank_{process_rank():05d}.json"
     if restore_rng and (meta["world_size"] != world_size() or not rng_file.is_file()):
         raise ValueError(
             f"checkpoint {str(path)!r} was saved by {meta['world_size']} rank(s) and this run has "
             f"{world_size()}: RNG states are per rank; resume with the same world size, or pass "
-            "restore_rng=False (weights, optimizer and scheduler still load; DCP reshards them)"
+            "restore_rng=False (weights, optimizer and scheduler still load, resharded to this run)"
         )
 
     model_state = _model_state(model, trainable_only)
     _check_model_matches(path, meta, model, model_state, trainable_only)
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None and meta["has_optimizer_state"]:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
-
+    scheduler_state = _read_json(path, "scheduler.json") if scheduler is not None else None
+    rng_state = _read_json(path, rng_file.relative_to(path).as_posix()) if restore_rng else None
+    _load_tensors(model_state, path / MODEL_DIR)
     # Not strict for adapters: the frozen base weights are deliberately absent from the state.
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not trainable_only))
-    if "optim" in state:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
+    if optimizer is not None and meta["has_optimizer_state"]:
+        _load_optimizer(path, model, optimizer)
     if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if restore_rng:
-        _set_rng_state(torch.load(rng_file, weights_only=True), rng_file)
-    return json.loads((path / "extra.json").read_text())
+        scheduler.load_state_dict(scheduler_state)
+    if rng_state is not None:
+        _set_rng_state(rng_state, rng_file)
+    return _read_json(path, "extra.json")

@@ -23,7 +23,7 @@ from diffrl.config.schema import Config, ConfigError
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.models import read_model_index
 from diffrl.rewards import reward_specs
-from diffrl.train.checkpoint import latest_checkpoint
+from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.trainer.loop import TrainingLoop
 from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.trainer.sharding import write_json
@@ -155,6 +155,8 @@ def find_checkpoint(cfg: Config, run_dir: Path) -> Path | None:
         raise FileNotFoundError(
             f"trainer.resume={resume!r} does not exist: give a checkpoint directory, auto or off"
         )
+    # A damaged or old-format checkpoint named explicitly is an error, before any worker starts.
+    verify_checkpoint(path)
     return path
 
 
