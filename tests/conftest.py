@@ -1,3 +1,9 @@
+import os
+
+# Every Ray cluster a test starts stays on loopback: Ray reads this single-machine switch when first
+# imported, which test modules do at collection (diffrl.workers.ensure_ray sets it for `diffrl train`).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import pytest
 import torch
 

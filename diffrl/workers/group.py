@@ -449,13 +449,34 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     this process (the caller then should not `ray.shutdown()` it). A `host:port` address is probed
     with a plain TCP connection first, so an unreachable cluster fails in a second with a message
     rather than after Ray's long connection retries.
+
+    A local cluster listens on loopback only. Ray resolves `_node_ip_address="127.0.0.1"` back to
+    the machine's network address on Linux and then binds GCS, raylet, workers and agents to every
+    interface; the one switch that keeps them all on 127.0.0.1 is Ray's single-machine mode
+    (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, the default on macOS and Windows), which Ray reads when
+    it is first imported. This sets it unless the user chose a value; `=1` opts out (a local head
+    other machines may join). Ray >= 2.59 also requires its token on a local cluster (~/.ray/auth_token).
     """
+    import os
+    import sys
+
+    if address is None and "ray" not in sys.modules:
+        os.environ.setdefault(_RAY_CLUSTER_MODE_ENV, "0")
     import ray
 
     if ray.is_initialized():
         return False
     if address is None:
-        ray.init(num_cpus=num_cpus)
+        from ray._private import ray_constants
+
+        if ray_constants.ENABLE_RAY_CLUSTER and os.environ.get(_RAY_CLUSTER_MODE_ENV) is None:
+            raise ValueError(
+                "ensure_ray(): Ray was imported before diffrl could keep the local cluster on loopback, "
+                "so it would listen on every network interface. Set "
+                f"{_RAY_CLUSTER_MODE_ENV}=0 before starting Python (or =1 to accept a cluster reachable "
+                "from the network), or start Ray yourself before calling diffrl"
+            )
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
         return True
     if num_cpus is not None:
         raise ValueError(
@@ -472,6 +493,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
             "to start a local cluster"
         ) from err
     return True
+
+
+# Ray's switch for single-machine mode (ray._private.ray_constants); "0" = loopback-only local cluster.
+_RAY_CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _probe_address(address: str) -> None:
