@@ -748,8 +748,7 @@ def _restore_types(saved: Any, live: Any) -> Any:
     return saved
 
 
-def _load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    saved = _read_json(path, "optim.json")
+def _load_optimizer(path: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     try:
         description, scalars, groups = saved["tensors"], saved["scalars"], saved["param_groups"]
         live = get_optimizer_state_dict(model, optimizer)  # initialises the state tensors to fill
@@ -819,15 +818,19 @@ def load_checkpoint(
 
     model_state = _model_state(model, trainable_only)
     _check_model_matches(path, meta, model, model_state, trainable_only)
+    # Every JSON file is parsed before anything is restored: a malformed one leaves all untouched.
+    extra = _read_json(path, "extra.json")
+    load_optimizer = optimizer is not None and meta["has_optimizer_state"]
+    optim_saved = _read_json(path, "optim.json") if load_optimizer else None
     scheduler_state = _read_json(path, "scheduler.json") if scheduler is not None else None
     rng_state = _read_json(path, rng_file.relative_to(path).as_posix()) if restore_rng else None
     _load_tensors(model_state, path / MODEL_DIR)
     # Not strict for adapters: the frozen base weights are deliberately absent from the state.
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
-    if optimizer is not None and meta["has_optimizer_state"]:
-        _load_optimizer(path, model, optimizer)
+    if load_optimizer:
+        _load_optimizer(path, optim_saved, model, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
     if rng_state is not None:
         _set_rng_state(rng_state, rng_file)
-    return _read_json(path, "extra.json")
+    return extra

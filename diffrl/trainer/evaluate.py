@@ -20,7 +20,7 @@ from pathlib import Path
 from diffrl.config import load_config
 from diffrl.config.schema import Config
 from diffrl.telemetry.report import validation_metrics
-from diffrl.train.checkpoint import latest_checkpoint
+from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.trainer.run import preflight_common, worker_session
 from diffrl.trainer.validation import run_validation
 
@@ -40,6 +40,7 @@ def resolve_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path 
             path / "eval" / checkpoint.name,
         )
     if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
+        verify_checkpoint(path)  # damaged or old-format: a ValueError here, before any worker starts
         run = path.parent.parent
         return load_config(str(run / "config.yaml"), overrides, job="eval"), path, run / "eval" / path.name
     if path.is_dir() and not (path / "model_index.json").is_file():
