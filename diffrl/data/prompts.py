@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,14 @@ from typing import Any
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 NEGATIVE_PROMPT_KEY = "negative_prompt"
 DATA_SOURCE_KEY = "data_source"
+
+#: Longest line (one row of a .txt or .jsonl file) read, in bytes. A line is read with at most this
+#: many bytes in memory, so a runaway line (a whole dataset without newlines) fails at once instead
+#: of driving the tokenizer out of memory; rows carry a prompt and a little metadata, far below it.
+MAX_ROW_BYTES = 1 << 20
+#: Longest prompt, in characters. Text encoders read a few hundred tokens
+#: (rollout.pipeline.max_sequence_length); 10,000 characters is already far beyond any of them.
+MAX_PROMPT_CHARS = 10_000
 
 _FORMATS = ".txt (one prompt per line), .jsonl (one JSON object per line) or .parquet (one row per prompt)"
 # Column names that usually hold the prompt, offered when the configured key is missing.
@@ -101,29 +109,44 @@ def _load_file(path: Path, prompt_key: str) -> list[PromptRecord]:
     return records
 
 
-def _read_lines(path: Path) -> list[str]:
-    """The file's lines (UTF-8, a BOM allowed), split on newlines only, so numbers match an editor's."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not valid UTF-8 ({err.reason}); save the file as UTF-8") from None
-    return [line.removesuffix("\r") for line in text.split("\n")]
+def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based number, line) of the file (UTF-8, a BOM allowed), split on newlines only so numbers
+    match an editor's; streamed, holding at most MAX_ROW_BYTES of one line in memory."""
+    with open(path, "rb") as file:
+        number = 0
+        while True:
+            data = file.readline(MAX_ROW_BYTES + 1)
+            if not data:
+                return
+            number += 1
+            if len(data) > MAX_ROW_BYTES:
+                raise ValueError(
+                    f"{path}:{number}: the line is longer than {MAX_ROW_BYTES} bytes (the limit per row, "
+                    "diffrl.data.prompts.MAX_ROW_BYTES); each prompt goes on its own line: check the file's "
+                    "newlines, or shorten the row"
+                )
+            try:
+                text = data.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{number}: not valid UTF-8 ({err.reason}); save the file as UTF-8"
+                ) from None
+            yield number, text.removesuffix("\n").removesuffix("\r")
 
 
 def _load_txt(path: Path) -> list[PromptRecord]:
     records = []
-    for number, line in enumerate(_read_lines(path), start=1):
+    for number, line in _read_lines(path):
         prompt = line.strip()
         if prompt:
+            _check_length(prompt, "the prompt", f"{path}:{number}")
             records.append(PromptRecord(prompt, None, {DATA_SOURCE_KEY: path.stem}, f"{path}:{number}"))
     return records
 
 
 def _load_jsonl(path: Path, prompt_key: str) -> list[PromptRecord]:
     records = []
-    for number, line in enumerate(_read_lines(path), start=1):
+    for number, line in _read_lines(path):
         if not line.strip():
             continue
         try:
@@ -180,11 +203,14 @@ def _record(row: dict[str, Any], prompt_key: str, path: Path, number: int, unit:
     prompt = prompt.strip()
     if not prompt:
         raise ValueError(f"{where}: the prompt {prompt_key!r} is empty; give the row a prompt or remove it")
+    _check_length(prompt, f"the prompt {prompt_key!r}", where)
     negative = row.get(NEGATIVE_PROMPT_KEY)
     if negative is not None and not isinstance(negative, str):
         raise ValueError(
             f"{where}: {NEGATIVE_PROMPT_KEY!r} must be a string or null, got {_json_type(negative)} {_short(negative)}"
         )
+    if negative is not None:
+        _check_length(negative, repr(NEGATIVE_PROMPT_KEY), where)
     metadata = {k: v for k, v in row.items() if k not in (prompt_key, NEGATIVE_PROMPT_KEY)}
     source = metadata.get(DATA_SOURCE_KEY)
     if source is None:  # absent, or a null cell of a parquet column
@@ -195,6 +221,14 @@ def _record(row: dict[str, Any], prompt_key: str, path: Path, number: int, unit:
             f"got {_short(source)}; leave it out to use the file name {path.stem!r}"
         )
     return PromptRecord(prompt, negative, metadata, f"{path}:{number}")
+
+
+def _check_length(text: str, what: str, where: str) -> None:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(
+            f"{where}: {what} has {len(text)} characters, more than the limit of {MAX_PROMPT_CHARS} "
+            "(diffrl.data.prompts.MAX_PROMPT_CHARS; text encoders read a few hundred tokens): shorten it"
+        )
 
 
 def _key_fix(key: str, keys: Sequence[str]) -> str:

@@ -20,6 +20,8 @@ The controller's loop, with either implementation:
 
 `handle.result()` returns the micro-batch's `RewardBatch` or raises what scoring raised (a
 `RewardError` for a required reward's failure; Ray re-raises it as a subclass of the same type).
+A Ray reward actor that died (killed, out of memory) raises the trainer's `WorkerError` naming
+the reward worker, as its own workers do, not Ray's raw `ActorDiedError`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardSpec, reward_specs
+from diffrl.workers.group import WorkerError
 
 if TYPE_CHECKING:
     from diffrl.config.schema import RewardConfig
@@ -146,14 +149,22 @@ class RewardWorker:
         return self.reward(pixels, prompts, metadata)
 
 
+def _died(err: Exception, index: int, size: int, method: str) -> WorkerError:
+    return WorkerError(index, size, f"RewardWorker.{method}", err)
+
+
 class _RayHandle:
-    def __init__(self, ref: Any) -> None:
+    def __init__(self, ref: Any, index: int, size: int) -> None:
         self.ref = ref  # a ray.ObjectRef of the RewardBatch
+        self.index, self.size = index, size  # which reward worker scores it
 
     def result(self, timeout: float | None = None) -> RewardBatch:
         import ray
 
-        return ray.get(self.ref, timeout=timeout)
+        try:
+            return ray.get(self.ref, timeout=timeout)
+        except ray.exceptions.RayActorError as err:
+            raise _died(err, self.index, self.size, "score") from err
 
     def done(self) -> bool:
         import ray
@@ -171,6 +182,7 @@ class RayRewardWorkers:
         workers: int = 1,
         cpus_per_worker: float = 1.0,
         gpus_per_worker: float = 0.0,
+        env_vars: Mapping[str, str] | None = None,
     ) -> None:
         import ray
 
@@ -183,11 +195,20 @@ class RayRewardWorkers:
             raise ValueError(f"reward.workers={workers!r} is invalid: must be >= 1")
         # Check names and args here, before any actor starts, so a typo fails in the driver.
         specs = list(functions) if isinstance(functions, Sequence) else reward_specs(functions)
-        actor_class = ray.remote(RewardWorker).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
+        # env_vars: e.g. the thread-pool sizes of diffrl.workers.threads, read when the actor starts
+        actor_class = ray.remote(RewardWorker).options(
+            num_cpus=cpus_per_worker,
+            num_gpus=gpus_per_worker,
+            runtime_env={"env_vars": dict(env_vars or {})},
+        )
         self.actors = [actor_class.remote(specs) for _ in range(workers)]
         # Wait for model loading so a missing file fails here, not at the first micro-batch.
         try:
-            ray.get([actor.ready.remote() for actor in self.actors])
+            for index, ref in enumerate([actor.ready.remote() for actor in self.actors]):
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    raise _died(err, index, workers, "__init__") from err
         except Exception:
             self.close()
             raise
@@ -199,10 +220,11 @@ class RayRewardWorkers:
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardHandle:
-        actor = self.actors[self._submitted % len(self.actors)]
+        index = self._submitted % len(self.actors)
         self._submitted += 1
         rows = None if metadata is None else [dict(row) for row in metadata]
-        return _RayHandle(actor.score.remote(pixels.detach().cpu(), list(prompts), rows))
+        ref = self.actors[index].score.remote(pixels.detach().cpu(), list(prompts), rows)
+        return _RayHandle(ref, index, len(self.actors))
 
     def close(self) -> None:
         import ray
@@ -218,12 +240,17 @@ class RayRewardWorkers:
         self.close()
 
 
-def create_reward_workers(cfg: RewardConfig, *, use_ray: bool) -> RewardWorkers:
+def create_reward_workers(
+    cfg: RewardConfig, *, use_ray: bool, env_vars: Mapping[str, str] | None = None
+) -> RewardWorkers:
     """The reward workers `reward.*` asks for: Ray actors, or the in-process equivalent.
 
     `reward.overlap` applies to the in-process workers (background thread or not); Ray workers
-    always score in their own processes, and the trainer decides when it collects.
+    always score in their own processes, and the trainer decides when it collects. `env_vars` is
+    set in each Ray actor's environment (the in-process workers share the caller's).
     """
     if use_ray:
-        return RayRewardWorkers(cfg.functions, cfg.workers, cfg.cpus_per_worker, cfg.gpus_per_worker)
+        return RayRewardWorkers(
+            cfg.functions, cfg.workers, cfg.cpus_per_worker, cfg.gpus_per_worker, env_vars=env_vars
+        )
     return InProcessRewardWorkers(cfg.functions, overlap=cfg.overlap)

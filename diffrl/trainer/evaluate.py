@@ -58,6 +58,13 @@ def evaluate(target: str, overrides: Sequence[str] = (), out_dir: str | None = N
     cfg, checkpoint, default_out = resolve_target(target, overrides)
     _, val_records = preflight_common(cfg)
     out = Path(out_dir) if out_dir else default_out
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--out {str(out)!r} is a file: eval writes eval.json and a validation/ folder there, so give a "
+            "folder (new or existing)"
+        )
+    if any(parent.exists() and not parent.is_dir() for parent in out.parents):
+        raise ValueError(f"--out {str(out)!r} lies under a file: give a folder path")
     with worker_session(cfg) as (workers, rewards):
         step = 0
         if checkpoint is not None:

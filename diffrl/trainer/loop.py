@@ -13,6 +13,7 @@ run continues exactly where the interrupted one would have been.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ from diffrl.data import PromptRecord, PromptSampler
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.trainer.validation import run_validation
 from diffrl.workers.group import WorkerGroup
+
+# What a step's update depends on, in the order data flows: the first non-finite one is named.
+WATCHED_METRICS = ("rewards/mean", "advantages/mean", "actor/loss", "actor/grad_norm")
+
+
+class NonFiniteError(ValueError):
+    """Too many steps in a row had a non-finite loss or gradient (trainer.max_nonfinite_steps)."""
 
 
 class TrainingLoop:
@@ -50,6 +58,7 @@ class TrainingLoop:
         self.step = 0
         self.last_validation_step: int | None = None
         self.timer = PhaseTimer()
+        self.nonfinite_steps = 0  # consecutive steps whose update was skipped as non-finite
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -75,6 +84,7 @@ class TrainingLoop:
         while self.step < cfg.total_steps:
             self.step += 1
             metrics = self.train_step()
+            self.check_finite(metrics)
             last_step = self.step == cfg.total_steps
             if cfg.test_freq and self.val_records and (self.step % cfg.test_freq == 0 or last_step):
                 with self.timer.phase("validation"):
@@ -86,6 +96,30 @@ class TrainingLoop:
             metrics.update(self.timer.metrics(0, 1, only=("validation", "checkpoint")))
             self.logger.log(self.step, metrics)
         return last_val
+
+    def check_finite(self, metrics: dict[str, float]) -> None:
+        """Count steps in a row whose loss or gradient norm is inf/nan (the engine skips their
+        optimizer step, so the weights stay as they were); stop at trainer.max_nonfinite_steps,
+        naming the step and the first non-finite value, before anything of it is logged or saved."""
+        bad = [
+            (key, metrics[key])
+            for key in WATCHED_METRICS
+            if key in metrics and not math.isfinite(metrics[key])
+        ]
+        if not bad:
+            self.nonfinite_steps = 0
+            return
+        self.nonfinite_steps += 1
+        limit = self.cfg.trainer.max_nonfinite_steps
+        key, value = bad[0]
+        print(f"warning: step {self.step}: {key}={value} is not finite; the update was skipped")
+        if self.nonfinite_steps >= limit:
+            raise NonFiniteError(
+                f"step {self.step}: {key}={value} (and {[k for k, _ in bad[1:]] or 'nothing else'} non-finite); "
+                f"{self.nonfinite_steps} steps in a row had no finite update (trainer.max_nonfinite_steps="
+                f"{limit}), so the run stops. Lower actor.optim.lr, set actor.optim.clip_grad, or check the "
+                f"rewards; resume from the last checkpoint in {self.run_dir / 'checkpoints'}"
+            )
 
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data_position()}
@@ -110,4 +144,4 @@ class TrainingLoop:
         }
 
 
-__all__ = ["TrainingLoop"]
+__all__ = ["NonFiniteError", "TrainingLoop"]

@@ -7,6 +7,10 @@ cannot start.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,7 +25,7 @@ from diffrl.config import load_config, to_yaml
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.models import read_model_index
+from diffrl.models import read_model_index, resolve_model_path
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.trainer.loop import TrainingLoop
@@ -30,6 +34,9 @@ from diffrl.trainer.sharding import write_json
 from diffrl.workers.group import WorkerGroup
 
 BUILTIN_DATA = Path(__file__).resolve().parents[1] / "config" / "presets" / "data"
+#: Seconds the preflight waits for a remote scorer's /health before refusing to start.
+SCORER_PROBE_TIMEOUT_S = 5.0
+LOCK_FILE = ".lock"
 
 
 def data_path(path: str) -> str:
@@ -45,14 +52,20 @@ def needs_rewards(cfg: Config) -> bool:
 
 
 def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """The checks every job needs before any model or Ray starts: loggers, model directory,
-    rewards, data files; returns the train and validation prompts (no validation without rewards)."""
+    """The checks every job needs before any model or Ray starts: loggers, model directory (its
+    weight files and the image size it takes), rewards (a remote scorer answers), data files;
+    returns the train and validation prompts (no validation without rewards)."""
     from diffrl.telemetry import check_loggers
 
-    check_loggers(cfg.trainer.loggers)
-    read_model_index(cfg.model.path)
+    try:
+        check_loggers(cfg.trainer.loggers)
+    except ImportError as err:  # a missing optional package is the user's setup, not a bug
+        raise ValueError(str(err)) from None
+    index = read_model_index(cfg.model.path)
+    check_model_files(cfg.model.path, index)
+    check_image_size(cfg)
     if needs_rewards(cfg):
-        reward_specs(cfg.reward.functions)
+        probe_scorers(reward_specs(cfg.reward.functions))
     if not cfg.data.train_files:
         raise ConfigError(
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
@@ -65,6 +78,108 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
     else:
         val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
     return train, val
+
+
+def check_model_files(path: str, index: dict) -> None:
+    """Every component's safetensors files have a readable header that covers the file.
+
+    Reading a header costs a few kilobytes, while loading a large model takes minutes before a
+    garbage or truncated file would fail inside diffusers."""
+    from safetensors import SafetensorError, safe_open
+
+    root = resolve_model_path(path)
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        for file in sorted((root / name).glob("*.safetensors")):
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    handle.keys()
+            except (SafetensorError, OSError) as err:
+                raise ValueError(
+                    f"model.path={path!r}: {file} is not a readable safetensors file ({err}); the "
+                    "model directory is damaged: copy or save the model again"
+                ) from None
+
+
+def _read_json(file: Path) -> dict | None:
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err}): the model directory is damaged") from None
+    return data if isinstance(data, dict) else None
+
+
+def check_image_size(cfg: Config) -> None:
+    """rollout.pipeline.height/width against what the model's config files allow, before it loads.
+
+    From the configs: the VAE's downsampling (2^(levels-1) for `block_out_channels`, 2^len for
+    video VAEs' `temperal_downsample`; 1 without a VAE) times the transformer's `patch_size` is the
+    multiple a side must be, and `pos_embed_max_size` patches bound it. Adapters check again,
+    exactly, once loaded (a family that packs latents further says so then)."""
+    root = resolve_model_path(cfg.model.path)
+    vae, transformer = (
+        _read_json(root / "vae" / "config.json"),
+        _read_json(root / "transformer" / "config.json"),
+    )
+    if transformer is None:
+        return
+    if vae is None:
+        factor = 1 if not (root / "vae").exists() else None
+    elif isinstance(vae.get("block_out_channels"), list):
+        factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    elif isinstance(vae.get("temperal_downsample"), list):
+        factor = 2 ** len(vae["temperal_downsample"])
+    else:
+        factor = None
+    patch = transformer.get("patch_size") or 1
+    patch = patch[-1] if isinstance(patch, list) else patch
+    if factor is None or not isinstance(patch, int):
+        return
+    multiple = factor * patch
+    largest = transformer.get("pos_embed_max_size")
+    largest = largest * multiple if isinstance(largest, int) else None
+    pipe = cfg.rollout.pipeline
+    for key, value in (("height", pipe.height), ("width", pipe.width)):
+        if value % multiple or (largest is not None and value > largest):
+            nearest = max(multiple, round(value / multiple) * multiple)
+            if largest is not None:
+                nearest = min(nearest, largest)
+            limit = f" and at most {largest}" if largest is not None else ""
+            raise ConfigError(
+                f"rollout.pipeline.{key}={value} does not fit the model {cfg.model.path!r}: it takes sides "
+                f"that are multiples of {multiple} (VAE factor {factor} x patch {patch}){limit}: set "
+                f"rollout.pipeline.{key}={nearest}"
+            )
+
+
+def probe_scorers(specs: Sequence[Any]) -> None:
+    """Every remote (`http`) reward's server answers /health within SCORER_PROBE_TIMEOUT_S, so an
+    unreachable scorer fails in seconds instead of at step 1 after the model loads."""
+    from diffrl.rewards.registry import base_name, build_reward
+
+    for spec in specs:
+        if base_name(spec.name) != "http":
+            continue
+        args = dict(spec.args)
+        args["timeout"] = min(float(args.get("timeout", SCORER_PROBE_TIMEOUT_S)), SCORER_PROBE_TIMEOUT_S)
+        try:
+            client = build_reward(spec.name, args)
+        except ValueError as err:
+            raise ValueError(f"reward.functions.{spec.name}: {err}") from None
+        try:
+            client.health()
+        except (OSError, ValueError) as err:  # ConnectionError and TimeoutError are OSErrors
+            message = (
+                f"reward.functions.{spec.name}: the scorer at args.url={spec.args.get('url')!r} did not "
+                f"answer /health within {args['timeout']:g} s ({err}); start it (diffrl serve-reward NAME "
+                "--port PORT) or correct args.url"
+            )
+            if spec.required:
+                raise ValueError(message) from None
+            print(f"warning: {message}; it is not required, so its samples will go unscored")
 
 
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
@@ -155,9 +270,33 @@ def find_checkpoint(cfg: Config, run_dir: Path) -> Path | None:
         raise FileNotFoundError(
             f"trainer.resume={resume!r} does not exist: give a checkpoint directory, auto or off"
         )
-    # A damaged or old-format checkpoint named explicitly is an error, before any worker starts.
-    verify_checkpoint(path)
     return path
+
+
+def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
+    """The checkpoint to resume from verifies against its manifest (unless `verified`: then
+    `latest_checkpoint` just did) and was saved with this config's LoRA settings: both read from
+    small files before any model loads (the load itself would find a mismatch minutes later)."""
+    meta = json.loads((path / "meta.json").read_text()) if verified else verify_checkpoint(path)
+    rank, alpha = cfg.model.lora.rank, cfg.model.lora.alpha
+    if "trainable_only" in meta and bool(meta["trainable_only"]) != (rank > 0):
+        saved = "LoRA adapters" if meta["trainable_only"] else "full-model weights"
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds {saved} but model.lora.rank={rank} "
+            f"({'LoRA' if rank > 0 else 'full fine-tuning'}): use the run's own model.lora settings to "
+            "resume it, or start a new run (another trainer.run_name, or trainer.resume=off)"
+        )
+    for name, adapter in (meta.get("adapters") or {}).items():
+        if not isinstance(adapter, dict):
+            continue
+        for key, field, value in (("r", "rank", rank), ("lora_alpha", "alpha", alpha)):
+            saved = adapter.get(key)
+            if saved is not None and float(saved) != float(value):
+                raise ValueError(
+                    f"checkpoint {str(path)!r} was saved with model.lora.{field}={saved} (adapter {name!r}) "
+                    f"but the config has model.lora.{field}={value}: set model.lora.{field}={saved} to resume "
+                    "it, or start a new run (another trainer.run_name, or trainer.resume=off)"
+                )
 
 
 def reuse_rollout_log_probs(cfg: Config) -> bool:
@@ -192,11 +331,14 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     from diffrl.rewards.workers import create_reward_workers
     from diffrl.workers.group import InProcessGroup, RayGroup, ensure_ray
     from diffrl.workers.roles import HybridWorker
+    from diffrl.workers.threads import plan_threads, set_threads, thread_env
 
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
     started_ray, workers, rewards = False, None, None
     roles = worker_options(cfg)
+    threads = plan_threads(world, cfg.reward.workers if use_ray else 0, ray=use_ray)
+    set_threads(threads.driver)  # diffrl/workers/threads.py: every process's share of the cores
     try:
         if use_ray:
             # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
@@ -206,11 +348,19 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
                 num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
             )
             gpus = 1.0 if torch.cuda.is_available() else 0.0
-            workers = RayGroup(HybridWorker, world, cfg, num_cpus=1.0, num_gpus=gpus, **roles)
+            workers = RayGroup(
+                HybridWorker,
+                world,
+                cfg,
+                num_cpus=1.0,
+                num_gpus=gpus,
+                env_vars=thread_env(threads.worker),
+                **roles,
+            )
         else:
             workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
         if cfg.reward.functions:  # offline DPO may run without rewards (no validation then)
-            rewards = create_reward_workers(cfg.reward, use_ray=use_ray)
+            rewards = create_reward_workers(cfg.reward, use_ray=use_ray, env_vars=thread_env(threads.reward))
         yield workers, rewards
     finally:
         if rewards is not None:
@@ -223,20 +373,93 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
             ray.shutdown()
 
 
-def prepare_run(cfg: Config, source: str | None) -> tuple[Path, str, Path | None]:
-    """The run directory (created, with the resolved config.yaml), its name, and the checkpoint to
-    resume from (None for a fresh run)."""
+def _lock(run_dir: Path) -> int:
+    """Hold RUN/.lock exclusively (flock) for as long as this process owns the run; returns the fd.
+
+    The OS drops the lock when the process ends, however it ends, so a kill -9 leaves no stale lock.
+    The file holds the owner's PID, for the message another start gets."""
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(
+            f"run folder {run_dir} is in use by another run (PID {owner}): wait for it to end or stop it, "
+            "or choose another trainer.run_name"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def write_config(run_dir: Path, cfg: Config) -> None:
+    """config.yaml, written atomically (a crash leaves the old file or the new one, never half)."""
+    tmp = run_dir / f".config.yaml.tmp{os.getpid()}"
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
+
+
+@dataclass
+class RunFolder:
+    """A run's directory while this process owns it: locked, and its checkpoint to resume from."""
+
+    path: Path
+    name: str
+    checkpoint: Path | None
+    created: bool  # this start made the directory (a failure before the run starts removes it)
+
+
+@contextmanager
+def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
+    """Own trainer.output_dir/run_name: create the directory if new, lock it, check the resume
+    checkpoint against the config; release on exit.
+
+    Nothing of an existing run is changed here: its config.yaml is rewritten only once the run has
+    started (`run_loop`). When the start fails before that, a directory this call created is
+    removed again, so a failed start leaves nothing behind."""
     run_name = cfg.trainer.run_name or f"{resolve_source(source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.trainer.output_dir) / run_name
+    checkpoint = None
+    if not run_dir.exists():
+        checkpoint = _check_resume_target(cfg, run_dir)  # an explicit trainer.resume path
+    try:
+        run_dir.mkdir(parents=True)
+        created = True
+    except FileExistsError:  # it existed, or another start made it a moment ago: the lock decides
+        created = False
+    fd = None
+    try:
+        fd = _lock(run_dir)
+        if not created:
+            checkpoint = _check_resume_target(cfg, run_dir)
+        yield RunFolder(run_dir, run_name, checkpoint, created)
+    except BaseException:
+        if created and fd is not None and not (run_dir / "config.yaml").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _check_resume_target(cfg: Config, run_dir: Path) -> Path | None:
     checkpoint = find_checkpoint(cfg, run_dir)
     if checkpoint is None and cfg.trainer.resume == "off" and latest_checkpoint(run_dir / "checkpoints"):
         raise ConfigError(
             f"{run_dir} already holds checkpoints and trainer.resume=off: choose another trainer.run_name, "
             "or trainer.resume=auto to continue it"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return run_dir, run_name, checkpoint
+    if checkpoint is not None:
+        check_checkpoint(cfg, checkpoint, verified=cfg.trainer.resume == "auto")
+    return checkpoint
+
+
+def prepare_run(cfg: Config, source: str | None) -> tuple[Path, str, Path | None]:
+    """The run directory, its name, and the checkpoint to resume from (None for a fresh run),
+    without holding the folder (tests and tools); `diffrl train` uses `run_folder`."""
+    with run_folder(cfg, source) as folder:
+        return folder.path, folder.name, folder.checkpoint
 
 
 @dataclass
@@ -252,28 +475,30 @@ class Job:
 
 @contextmanager
 def job(cfg: Config, source: str | None) -> Iterator[Job]:
-    """Create (or reopen) the run directory, start the workers and the loggers; stop them on exit."""
+    """Own the run directory (`run_folder`), start the workers and the loggers; stop them on exit."""
     from diffrl.telemetry import RunLogger
 
-    run_dir, run_name, checkpoint = prepare_run(cfg, source)
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
     with (
+        run_folder(cfg, source) as folder,
         worker_session(cfg) as (workers, rewards),
         RunLogger(
-            run_dir,
+            folder.path,
             cfg.trainer.loggers,
             total_steps=cfg.trainer.total_steps,
             config=config_dict,
-            run_name=run_name,
+            run_name=folder.name,
         ) as logger,
     ):
-        yield Job(run_dir, checkpoint, workers, rewards, logger)
+        yield Job(folder.path, folder.checkpoint, workers, rewards, logger)
 
 
 def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
-    """Resume `loop` from `checkpoint` (if any), run it, and return its summary."""
+    """Resume `loop` from `checkpoint` (if any), record the config (the run has started), run it,
+    and return its summary."""
     if checkpoint is not None:
         loop.resume(checkpoint)
+    write_config(loop.run_dir, loop.cfg)
     return loop.summary(loop.fit())
 
 

@@ -1,0 +1,194 @@
+"""Every user error of `diffrl train` / `diffrl eval` exits 2 before any model loads, with a message
+naming the value and the fix, and leaves no run folder behind (or an existing run untouched)."""
+
+import json
+import os
+import shutil
+import socket
+import sys
+
+import pytest
+
+from diffrl.cli import main
+from diffrl.trainer import run as run_module
+
+FAST = [
+    "trainer.total_steps=1",
+    "trainer.save_freq=1",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    """One tiny-model cache for the module: building tiny:sd3 once is the slow part."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+
+
+def train(tmp_path, *overrides, name="r"):
+    return main(
+        ["train", "tiny_sd3", f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", *overrides]
+    )
+
+
+def refused(tmp_path, capsys, *overrides, name="r"):
+    """Run, expect exit 2 and no run folder; return stderr."""
+    assert train(tmp_path, *overrides, name=name) == 2
+    err = capsys.readouterr().err
+    assert not (tmp_path / name).exists(), sorted(p.name for p in (tmp_path / name).iterdir())
+    return err
+
+
+# ---------------------------------------------------------------------------- (4) prompt size
+def test_a_line_without_newlines_is_refused_naming_file_line_and_limit(tmp_path, capsys):
+    data = tmp_path / "huge.txt"
+    data.write_bytes(b"a red circle\n" + b"x" * (2 << 20))  # a 2 MB second line
+    err = refused(tmp_path, capsys, f"data.train_files=[{data}]")
+    assert f"{data}:2: the line is longer than 1048576 bytes" in err and "MAX_ROW_BYTES" in err
+
+
+def test_a_prompt_longer_than_the_limit_is_refused(tmp_path, capsys):
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "a cat"}) + "\n" + json.dumps({"prompt": "b" * 12000}) + "\n")
+    err = refused(tmp_path, capsys, f"data.train_files=[{data}]")
+    assert f"{data}:2: the prompt 'prompt' has 12000 characters, more than the limit of 10000" in err
+
+
+# ------------------------------------------------------------------------ (8) inputs and config
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.optim.lr=inf", "actor.optim.lr=inf is invalid: must be a finite number"),
+        ("actor.optim.betas=[0.9,nan]", "actor.optim.betas[1]=nan is invalid"),
+        ("rollout.pipeline.height=40", "rollout.pipeline.height=40 does not fit the model"),
+        ("rollout.pipeline.width=288", "multiples of 16 (VAE factor 8 x patch 2) and at most 256"),
+        ("reward.functions.http.args.url=ftp://nowhere", "url='ftp://nowhere' is invalid"),
+        ("trainer.loggers=[console,wandb]", "pip install wandb"),
+    ],
+)
+def test_bad_values_exit_2_before_any_model_loads(tmp_path, capsys, monkeypatch, override, message):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec -> None: wandb "not installed"
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    err = refused(tmp_path, capsys, override)
+    assert message in err, err
+
+
+def _no_workers(cfg):
+    raise AssertionError("the workers started: the error was found too late")
+
+
+def test_run_name_cannot_leave_the_output_dir(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    assert main(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=../../x"]) == 2
+    assert "trainer.run_name='../../x' is invalid: must be a plain folder name" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not out.exists()
+
+
+def test_unreachable_scorer_is_found_in_seconds(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    err = refused(tmp_path, capsys, f"reward.functions.http.args.url=http://127.0.0.1:{port}")
+    assert f"the scorer at args.url='http://127.0.0.1:{port}' did not answer /health" in err
+    assert "diffrl serve-reward" in err
+
+
+def test_damaged_model_weights_are_found_before_loading(tmp_path, capsys, tiny_model, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("sd3"), model)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(os.urandom(4096))
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    err = refused(tmp_path, capsys, f"model.path={model}")
+    assert f"{weights} is not a readable safetensors file" in err
+
+
+def test_a_bad_resume_checkpoint_is_refused(tmp_path, capsys, monkeypatch):
+    junk = tmp_path / "junk" / "step_00000001"
+    junk.mkdir(parents=True)
+    (junk / "model.safetensors").write_bytes(b"not a checkpoint")
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    err = refused(tmp_path, capsys, f"trainer.resume={junk}")
+    assert str(junk) in err and "incomplete" in err
+
+
+def test_eval_out_must_be_a_folder(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    out.write_text("{}")
+    assert main(["eval", "toy:shapes", "--out", str(out)]) == 2
+    assert f"--out {str(out)!r} is a file" in capsys.readouterr().err
+    assert out.read_text() == "{}"
+
+
+# ------------------------------------------------------------------- (6) (7) an existing run
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A one-step run with its checkpoint (built once; tests copy it)."""
+    out = tmp_path_factory.mktemp("finished")
+    os.environ.setdefault("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+    assert main(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=done", *FAST]) == 0
+    return out / "done"
+
+
+def snapshot(run_dir):
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def test_a_failed_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run, monkeypatch):
+    run_dir = tmp_path / "done"
+    shutil.copytree(finished_run, run_dir)
+    before = snapshot(run_dir)
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    assert train(tmp_path, *FAST, "trainer.total_steps=2", "model.lora.rank=8", name="done") == 2
+    err = capsys.readouterr().err
+    assert "was saved with model.lora.rank=4" in err and "set model.lora.rank=4" in err
+    assert snapshot(run_dir) == before  # config.yaml, metrics.jsonl, checkpoints: untouched
+    monkeypatch.undo()
+    # and the run is still usable: its config still describes its checkpoint
+    from diffrl.trainer.evaluate import resolve_target
+
+    cfg, checkpoint, _ = resolve_target(str(run_dir), [])
+    assert cfg.model.lora.rank == 4 and checkpoint.name == "step_00000001"
+
+
+def test_a_run_folder_in_use_is_refused_naming_the_pid(tmp_path, capsys, finished_run, monkeypatch):
+    run_dir = tmp_path / "done"
+    shutil.copytree(finished_run, run_dir)
+    before = snapshot(run_dir)
+    holder = run_module._lock(run_dir)  # another run owns the folder (flock: per open file)
+    try:
+        monkeypatch.setattr(run_module, "worker_session", _no_workers)
+        assert train(tmp_path, *FAST, "trainer.total_steps=2", name="done") == 2
+    finally:
+        os.close(holder)
+    err = capsys.readouterr().err
+    assert f"run folder {run_dir} is in use by another run (PID {os.getpid()})" in err
+    assert snapshot(run_dir) == before  # metrics.jsonl not truncated
+
+
+def test_a_failed_start_after_creating_the_folder_removes_it(tmp_path, capsys, monkeypatch):
+    def broken_workers(cfg):
+        raise ValueError("workers could not start: fix X")
+
+    monkeypatch.setattr(run_module, "worker_session", broken_workers)
+    assert "fix X" in refused(tmp_path, capsys, *FAST)
+
+
+# --------------------------------------------------------------------------- non-finite steps
+def test_consecutive_non_finite_steps_stop_the_run(tmp_path, capsys):
+    # lr=1e30 sends the weights to inf in the first optimizer step; every later loss is nan.
+    code = train(
+        tmp_path, *FAST, "trainer.total_steps=4", "actor.optim.lr=1e30", "trainer.max_nonfinite_steps=2"
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "step 2: actor/loss=nan" in err and "trainer.max_nonfinite_steps=2" in err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]  # the failing step is neither logged nor checkpointed as if it were fine
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_00000001"]
