@@ -21,19 +21,27 @@ The client (`HttpReward`) retries connection failures, timeouts, and 429/502/503
 exponential backoff (`backoff * 2**attempt` seconds, capped at `max_backoff`), `retries` times;
 other errors (a 400 for a bad request, a 500 when the remote reward raised) are reported at once
 with the server's message. When every attempt fails it raises `ConnectionError` (unreachable) or
-`TimeoutError` (no answer within `timeout` seconds), naming the URL and the fix.
+`TimeoutError` (no complete answer within `timeout` seconds), naming the URL and the fix.
+
+`timeout` is a deadline for the whole attempt (connect, send, scoring, reading every byte of the
+answer), not a per-read socket timeout: a server that trickles one byte a second, or accepts and
+never answers, is cut off at the deadline. An answer that is not JSON, has the wrong number of
+scores, or non-finite scores is a ValueError naming the server. With `token_env`, the client sends
+`Authorization: Bearer <the value of that environment variable>` (the server's `--token`).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
+import os
+import socket
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +54,16 @@ from diffrl.rewards.registry import register_reward
 
 PROTOCOL_VERSION = 1
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+MAX_RESPONSE_BYTES = 64 << 20  # scores and extras of one batch; anything larger is a broken server
+IMAGE_FORMATS = ("PNG", "JPEG")  # the only decoders a request may reach (PNG is what clients send)
+
+
+class LimitExceeded(ValueError):
+    """A request is over one of the server's limits: `limit` names it (the CLI flag), `value` is its value."""
+
+    def __init__(self, limit: str, value: int | float, message: str, status: int = 413) -> None:
+        super().__init__(f"{message} (limit {limit}={value})")
+        self.limit, self.value, self.status = limit, value, status
 
 
 # ----------------------------------------------------------------------------------- wire format
@@ -58,12 +76,32 @@ def encode_png(frame_3HW: torch.Tensor) -> str:
 
 def decode_png(data: str) -> torch.Tensor:
     """base64 PNG -> uint8 [3,H,W] RGB."""
+    image = _open_image(data)
+    return _to_chw(image)
+
+
+def _open_image(data: Any) -> Image.Image:
+    """A PIL image from base64 with only its header read (the size is known, no pixel decoded yet)."""
+    if not isinstance(data, str):
+        raise ValueError(f"an image must be a base64 string, got {type(data).__name__}")
     try:
-        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
-        image.load()
+        return Image.open(io.BytesIO(base64.b64decode(data, validate=True)), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError as err:  # Pillow's own cap, above ours: still a size limit
+        raise LimitExceeded("max_image_pixels", Image.MAX_IMAGE_PIXELS, str(err)) from err
     except Exception as err:
-        raise ValueError(f"not a base64-encoded image: {type(err).__name__}: {err}") from err
-    return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+        raise ValueError(f"not a base64-encoded PNG or JPEG: {type(err).__name__}: {err}") from err
+
+
+def _to_chw(image: Image.Image, out_3HW: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode the pixels (RGB) into `out_3HW` (or a new tensor)."""
+    try:
+        array_HW3 = np.asarray(image.convert("RGB"))
+    except Exception as err:
+        raise ValueError(f"image data is corrupt: {type(err).__name__}: {err}") from err
+    if out_3HW is None:
+        return torch.from_numpy(array_HW3.transpose(2, 0, 1).copy())
+    out_3HW.numpy()[...] = array_HW3.transpose(2, 0, 1)  # through a view: no intermediate tensor
+    return out_3HW
 
 
 def encode_request(
@@ -80,8 +118,21 @@ def encode_request(
     return body
 
 
-def decode_request(body: Any) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
-    """(pixels, prompts, metadata) from a POST /score body; ValueError says what is malformed."""
+def decode_request(
+    body: Any,
+    *,
+    max_images: int | None = None,
+    max_image_pixels: int | None = None,
+    max_request_pixels: int | None = None,
+    max_prompt_chars: int | None = None,
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
+    """(pixels, prompts, metadata) from a POST /score body; ValueError says what is malformed.
+
+    The limits (None = unbounded) are checked before any pixel is decoded: counts first, then each
+    image's header (width x height), so a small PNG that claims 8000x8000 costs a few bytes, not
+    192 MB. `LimitExceeded` (a ValueError) names the limit; the server answers 413 with it.
+    Frames are decoded one by one straight into the batch tensor (no per-frame copies kept).
+    """
     if not isinstance(body, dict):
         raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
@@ -98,21 +149,57 @@ def decode_request(body: Any) -> tuple[torch.Tensor, list[str], list[dict[str, A
     if not isinstance(metadata, list):
         raise ValueError("'metadata' must be a list of objects")
     if "images" in body:
-        images = body["images"]
-        if not isinstance(images, list) or not images:
+        items = body["images"]
+        if not isinstance(items, list) or not items:
             raise ValueError("'images' must be a non-empty list of base64 PNG strings")
-        frames = [decode_png(item) for item in images]
-        if len({tuple(f.shape) for f in frames}) != 1:
-            raise ValueError("all images of a request must have the same size")
-        pixels = torch.stack(frames)
+        frames, lead = items, (len(items),)
     else:
-        videos = body["videos"]
-        if not isinstance(videos, list) or not videos or not all(isinstance(v, list) and v for v in videos):
+        items = body["videos"]
+        if not isinstance(items, list) or not items or not all(isinstance(v, list) and v for v in items):
             raise ValueError("'videos' must be a non-empty list of non-empty lists of base64 PNG strings")
-        clips = [torch.stack([decode_png(item) for item in video]) for video in videos]
-        if len({tuple(c.shape) for c in clips}) != 1:
+        if len({len(v) for v in items}) != 1:
             raise ValueError("all videos of a request must have the same frame count and size")
-        pixels = torch.stack(clips)
+        frames, lead = [frame for video in items for frame in video], (len(items), len(items[0]))
+    if max_images is not None and len(frames) > max_images:
+        raise LimitExceeded(
+            "max_images", max_images, f"{len(frames)} images (video frames count) in one request"
+        )
+    if len(prompts) != lead[0] or len(metadata) != lead[0]:
+        raise ValueError(
+            f"{lead[0]} samples but {len(prompts)} prompts and {len(metadata)} metadata rows; one of each per sample"
+        )
+    if max_prompt_chars is not None:
+        longest = max((len(p) for p in prompts), default=0)
+        if longest > max_prompt_chars:
+            raise LimitExceeded("max_prompt_chars", max_prompt_chars, f"a prompt of {longest} characters")
+    images = []
+    total_pixels = 0
+    for index, data in enumerate(frames):
+        image = _open_image(data)
+        width, height = image.size
+        if max_image_pixels is not None and width * height > max_image_pixels:
+            raise LimitExceeded(
+                "max_image_pixels",
+                max_image_pixels,
+                f"image {index} is {width}x{height} = {width * height} pixels",
+            )
+        total_pixels += width * height
+        if max_request_pixels is not None and total_pixels > max_request_pixels:
+            raise LimitExceeded(
+                "max_request_pixels", max_request_pixels, f"images 0..{index} hold {total_pixels} pixels"
+            )
+        if images and image.size != images[0].size:
+            raise ValueError(
+                f"all images of a request must have the same size: image {index} is {width}x{height}, "
+                f"image 0 is {images[0].size[0]}x{images[0].size[1]}"
+            )
+        images.append(image)
+    width, height = images[0].size
+    pixels = torch.empty((len(images), 3, height, width), dtype=torch.uint8)
+    for index, image in enumerate(images):
+        _to_chw(image, pixels[index])
+        images[index] = None  # type: ignore[call-overload]  # free the compressed bytes as we go
+    pixels = pixels.reshape(*lead, 3, height, width)
     rows = check_batch(pixels, prompts, metadata)
     return pixels, prompts, rows
 
@@ -151,11 +238,14 @@ class HttpReward:
 
     Args:
         url: the server's base URL, e.g. "http://scorer-host:8000" (requests go to <url>/score).
-        timeout: socket timeout in seconds: the longest wait to connect, or for the server to start
-            answering (its scoring time included).
+        timeout: deadline in seconds for one attempt as a whole: connecting, sending, the remote
+            scoring, and reading the complete answer.
         retries: extra attempts after the first, for connection errors, timeouts and 429/502/503/504.
         backoff: seconds before the first retry; doubles each retry.
         max_backoff: cap on one wait, in seconds.
+        token_env: name of an environment variable holding the server's token (`diffrl serve-reward
+            --token`, or DIFFRL_REWARD_TOKEN on the server); sent as `Authorization: Bearer ...`.
+            The token itself never goes into the config (config.yaml is saved with every run).
     """
 
     name = "http"
@@ -167,9 +257,10 @@ class HttpReward:
         retries: int = 3,
         backoff: float = 1.0,
         max_backoff: float = 30.0,
+        token_env: str | None = None,
     ) -> None:
         parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(
                 f"http reward: url={url!r} is invalid: use http://HOST:PORT (the address `diffrl serve-reward` prints)"
             )
@@ -179,11 +270,69 @@ class HttpReward:
             raise ValueError(f"http reward: retries={retries!r} is invalid: must be >= 0")
         if backoff < 0 or max_backoff < 0:
             raise ValueError(f"http reward: backoff={backoff!r}, max_backoff={max_backoff!r} must be >= 0")
+        self.token: str | None = None
+        if token_env is not None:
+            self.token = os.environ.get(token_env)
+            if not self.token:
+                raise ValueError(
+                    f"http reward: token_env={token_env!r} names an environment variable that is not set "
+                    f"(or empty): export {token_env}=<the token the server was started with>"
+                )
         self.url = url.rstrip("/")
+        self._parsed = urllib.parse.urlparse(self.url)
         self.timeout = float(timeout)
         self.retries = int(retries)
         self.backoff = float(backoff)
         self.max_backoff = float(max_backoff)
+
+    def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """One attempt: (status, body bytes), all of it within `timeout` seconds.
+
+        A watchdog shuts the socket down at the deadline, which unblocks whatever read or write is
+        in progress (the per-operation socket timeout alone would let a trickling server go on forever).
+        """
+        deadline = time.monotonic() + self.timeout
+        connection_cls = (
+            http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
+        )
+        conn = connection_cls(self._parsed.hostname, self._parsed.port, timeout=self.timeout)
+        expired = threading.Event()
+
+        def cut_off() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # already closed: the attempt is over anyway
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(self.timeout, cut_off)
+        watchdog.daemon = True
+        watchdog.start()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            conn.request(method, f"{self._parsed.path}{path}", body=body, headers=headers)
+            response = conn.getresponse()
+            chunks, size = [], 0
+            while chunk := response.read(1 << 16):
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise ValueError(
+                        f"http reward: {self.url}{path} sent more than {MAX_RESPONSE_BYTES} bytes; "
+                        "a score answer is far smaller, so this is not a diffrl reward server"
+                    )
+                chunks.append(chunk)
+            if expired.is_set() or time.monotonic() > deadline:
+                raise TimeoutError(f"the answer was not complete within {self.timeout:g} s")
+            return response.status, b"".join(chunks)
+        except (OSError, http.client.HTTPException) as err:
+            if expired.is_set() or time.monotonic() > deadline:
+                raise TimeoutError(f"no complete answer within {self.timeout:g} s") from err
+            raise
+        finally:
+            watchdog.cancel()
+            conn.close()
 
     def _post(self, body: bytes) -> Any:
         """POST to <url>/score with retries; the decoded JSON answer."""
@@ -194,25 +343,22 @@ class HttpReward:
         for attempt in range(attempts):
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
-            request = urllib.request.Request(
-                endpoint, data=body, method="POST", headers={"Content-Type": "application/json"}
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as err:
-                message = _error_message(err)
-                if err.code in RETRY_STATUSES:
-                    last, timed_out = RuntimeError(f"HTTP {err.code}: {message}"), False
-                    continue
-                raise RuntimeError(f"http reward: {endpoint} answered HTTP {err.code}: {message}") from err
+                status, data = self._request("POST", "/score", body)
             except TimeoutError as err:
                 last, timed_out = err, True
-            except urllib.error.URLError as err:
-                last = err
-                timed_out = isinstance(err.reason, TimeoutError)
-            except (ConnectionError, http.client.HTTPException) as err:
+                continue
+            except (OSError, http.client.HTTPException) as err:
                 last, timed_out = err, False
+                continue
+            if status == 200:
+                return _parse_json(data, endpoint)
+            message = _error_message(data)
+            if status in RETRY_STATUSES:
+                last, timed_out = RuntimeError(f"HTTP {status}: {message}"), False
+                continue
+            hint = " (set args.token_env to the variable holding the server's token)" if status == 401 else ""
+            raise RuntimeError(f"http reward: {endpoint} answered HTTP {status}: {message}{hint}")
         tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
         if timed_out:
             raise TimeoutError(
@@ -226,11 +372,14 @@ class HttpReward:
 
     def health(self) -> dict[str, Any]:
         """GET <url>/health (no retries): the server's status and the reward it serves."""
+        endpoint = f"{self.url}/health"
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=self.timeout) as response:
-                return json.loads(response.read())
-        except (urllib.error.URLError, OSError) as err:
-            raise ConnectionError(f"http reward: cannot reach {self.url}/health: {_reason(err)}") from err
+            status, data = self._request("GET", "/health", None)
+        except (OSError, http.client.HTTPException) as err:
+            raise ConnectionError(f"http reward: cannot reach {endpoint}: {_reason(err)}") from err
+        if status != 200:
+            raise RuntimeError(f"http reward: {endpoint} answered HTTP {status}: {_error_message(data)}")
+        return _parse_json(data, endpoint)
 
     def __call__(
         self,
@@ -246,15 +395,22 @@ class HttpReward:
         return decode_response(self._post(body), int(pixels.shape[0]), f"http {self.url}")
 
 
-def _error_message(err: urllib.error.HTTPError) -> str:
+def _parse_json(data: bytes, endpoint: str) -> Any:
     try:
-        body = err.read()
-        return str(json.loads(body).get("error", body[:500]))
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise ValueError(
+            f"http reward: {endpoint} answered HTTP 200 with a body that is not JSON ({err}): "
+            f"{data[:200]!r}. Is args.url a `diffrl serve-reward` server?"
+        ) from err
+
+
+def _error_message(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("error", data[:500]))
     except Exception:
-        return str(err.reason)
+        return repr(data[:500])
 
 
 def _reason(err: BaseException | None) -> str:
-    if isinstance(err, urllib.error.URLError) and not isinstance(err, urllib.error.HTTPError):
-        return str(err.reason)
     return f"{type(err).__name__}: {err}" if err is not None else "unknown"

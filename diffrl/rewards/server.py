@@ -1,41 +1,76 @@
 """Serve any registered reward over HTTP: the function behind `diffrl serve-reward NAME`.
 
     diffrl serve-reward ocr --port 8000
-    diffrl serve-reward clip_score model=/models/clip-vit-large-patch14 --host 0.0.0.0 --port 8001
+    diffrl serve-reward clip_score model=/models/clip-vit-large-patch14 --host 0.0.0.0 --token-env MY_TOKEN
     diffrl serve-reward my_rewards:brightness target=0.5
 
 The trainer then uses `reward.functions.http.args.url=http://HOST:PORT`. The protocol is the one in
 `diffrl.rewards.remote` (JSON, base64 PNG, never pickle). The server is the standard library's
-`ThreadingHTTPServer`: connections are accepted concurrently, but scoring is serialised through a
-lock, since a reward model on one GPU gains nothing from concurrent calls and most rewards are not
-thread-safe. Batch on the client side (micro-batches) instead.
+`ThreadingHTTPServer`; scoring is serialised through a lock, since a reward model on one GPU gains
+nothing from concurrent calls and most rewards are not thread-safe. Batch on the client side.
 
-There is no authentication: the default host is 127.0.0.1 (this machine only); bind 0.0.0.0 only
-inside a trusted network. A bad request is answered 400 with the reason; a reward that raises, 500
-with the exception (and a traceback in this server's log).
+A peer can be hostile or broken, so every resource a request can take is bounded (`ServerLimits`,
+one CLI flag each): connections, requests being read/decoded/scored at once, the body, JSON items,
+images, pixels per image and per request (read from the PNG header before any pixel is decoded),
+prompt length, and a deadline on reading each request as a whole (a client trickling bytes is cut
+off). Rejections are answered at once with 4xx/503 and `{"error", "limit", "value"}`. With a token
+(`--token-env` or DIFFRL_REWARD_TOKEN) every request needs `Authorization: Bearer <token>`. The
+default host is 127.0.0.1 (this machine only). Peak memory is about
+`max_concurrent_requests x (3 x max_body_bytes + 3 x max_request_pixels)` plus the reward model.
+
+Importing this module imports only the standard library: `diffrl --help` builds this parser, and
+the reward stack (torch, the models) loads when a server is made.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
+import io
 import json
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from diffrl.rewards.base import Reward, call_reward
-from diffrl.rewards.registry import build_reward
-from diffrl.rewards.remote import PROTOCOL_VERSION, decode_request, encode_response
+if TYPE_CHECKING:
+    from diffrl.rewards.base import Reward
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 1 << 30  # 1 GiB: a few hundred 1024² PNGs; larger batches should be split
+TOKEN_ENV = "DIFFRL_REWARD_TOKEN"
+PROTOCOL_VERSION = 1  # same as diffrl.rewards.remote.PROTOCOL_VERSION (a test checks they agree)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one peer may take from the server; each field is a `diffrl serve-reward` flag.
+
+    Defaults fit a batch of 64 images of 1024x1024 (or an 81-frame 480x832 video) in one request.
+    """
+
+    max_connections: int = 64  # open connections (one thread each); more are answered 503 at once
+    max_concurrent_requests: int = 4  # requests past their headers (reading, decoding, scoring); 503 beyond
+    read_timeout: float = 60.0  # seconds to receive a request's headers and body, in total
+    max_body_bytes: int = 64 << 20  # 64 MiB
+    max_json_items: int = 100_000  # JSON values (bounds json.loads's memory, ~60 bytes per value)
+    max_images: int = 256  # images per request; video frames count
+    max_image_pixels: int = 4096 * 4096
+    max_request_pixels: int = 1 << 26  # 64 Mi pixels = 192 MiB of RGB
+    max_prompt_chars: int = 8192
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value > 0:
+                raise ValueError(f"reward server: {f.name}={value!r} is invalid: must be > 0")
 
 
 class RewardHTTPServer(ThreadingHTTPServer):
@@ -48,12 +83,16 @@ class RewardHTTPServer(ThreadingHTTPServer):
         address: tuple[str, int],
         reward: Reward,
         spec: str,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        limits: ServerLimits | None = None,
+        token: str | None = None,
     ) -> None:
         self.reward = reward
         self.spec = spec
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits or ServerLimits()
+        self.token = token or None
         self.score_lock = threading.Lock()
+        self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self.request_slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
         super().__init__(address, RewardRequestHandler)
 
     @property
@@ -61,50 +100,222 @@ class RewardHTTPServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Start a handler thread only while under `max_connections`; else answer 503 right here."""
+        if not self.connection_slots.acquire(blocking=False):
+            _refuse(request, self.limits.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.connection_slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connection_slots.release()
+
+
+def _refuse(sock: socket.socket, max_connections: int) -> None:
+    """A complete 503 answer written without reading the request (the accept loop must not block)."""
+    body = json.dumps(
+        {
+            "error": f"too many connections: the server holds at most {max_connections}; retry later",
+            "limit": "max_connections",
+            "value": max_connections,
+        }
+    ).encode()
+    head = (
+        "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+    ).encode()
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(head + body)
+    except OSError:
+        pass  # the peer is gone or not reading: it was refused either way
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The request side of a connection, with one deadline for all of it.
+
+    Each read waits at most for the time left, so a client sending a byte every second cannot hold
+    its thread beyond `read_timeout` (a plain socket timeout restarts on every byte).
+    """
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock, self.seconds = sock, seconds
+        self.deadline = time.monotonic() + seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the request was not received within read_timeout={self.seconds:g} s")
+        self.sock.settimeout(remaining)
+        return self.sock.recv_into(buffer)
+
+
+class Rejected(Exception):
+    """An answer other than 200, with the limit it enforces (if any)."""
+
+    def __init__(self, status: int, message: str, limit: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.limit, self.value = status, limit, value
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"error": str(self)}
+        if self.limit is not None:
+            out.update(limit=self.limit, value=self.value)
+        return out
+
 
 class RewardRequestHandler(BaseHTTPRequestHandler):
-    """POST /score and GET /health; every answer is JSON."""
+    """POST /score and GET /health; every answer is JSON. One request per connection (HTTP/1.0)."""
 
     server: RewardHTTPServer
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # replaced by a reader whose deadline covers the request line, headers and body
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self.server.limits.read_timeout))
+
     def _answer(self, status: int, body: Mapping[str, Any]) -> None:
         data = json.dumps(body).encode()
+        # Writing has its own bound: a peer that never reads cannot hold the thread either.
+        self.connection.settimeout(self.server.limits.read_timeout)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if status == HTTPStatus.UNAUTHORIZED:
+            self.send_header("WWW-Authenticate", "Bearer")
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+            self.send_header("Retry-After", "1")
         self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.wfile.write(data)
+        except OSError as err:  # the peer left (its own deadline passed) or stopped reading
+            logger.info("could not answer %s: %s", self.address_string(), err)
+            self.close_connection = True
+
+    def _check_token(self) -> None:
+        expected = self.server.token
+        if expected is None:
+            return
+        given = self.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        # compare_digest: the time taken does not reveal how many leading characters were right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), expected.encode()):
+            raise Rejected(
+                HTTPStatus.UNAUTHORIZED,
+                "this server requires a token: send 'Authorization: Bearer <token>' "
+                "(the http reward's args.token_env names the variable holding it)",
+            )
 
     def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/health":
-            self._answer(
-                HTTPStatus.OK, {"status": "ok", "reward": self.server.spec, "version": PROTOCOL_VERSION}
-            )
-        else:
-            self._answer(
-                HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path!r}: use POST /score, GET /health"}
-            )
+        try:
+            self._check_token()
+            if self.path.rstrip("/") != "/health":
+                raise Rejected(
+                    HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: use POST /score, GET /health"
+                )
+        except Rejected as err:
+            self._answer(err.status, err.body())
+            return
+        self._answer(HTTPStatus.OK, {"status": "ok", "reward": self.server.spec, "version": PROTOCOL_VERSION})
 
     def do_POST(self) -> None:
-        if self.path.rstrip("/") != "/score":
-            self._answer(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path!r}: use POST /score"})
+        try:
+            self._check_token()
+            if self.path.rstrip("/") != "/score":
+                raise Rejected(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: use POST /score")
+            length = self._check_headers()
+        except Rejected as err:
+            self._answer(err.status, err.body())
             return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self._answer(HTTPStatus.LENGTH_REQUIRED, {"error": "Content-Length is required"})
-            return
-        if int(length) > self.server.max_body_bytes:
+        if not self.server.request_slots.acquire(blocking=False):
+            limit = self.server.limits.max_concurrent_requests
             self._answer(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                {
-                    "error": f"body of {length} bytes exceeds {self.server.max_body_bytes}; send smaller batches"
-                },
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                Rejected(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    f"busy: {limit} requests are being served; retry later",
+                    "max_concurrent_requests",
+                    limit,
+                ).body(),
             )
             return
+        try:
+            self._score(length)
+        finally:
+            self.server.request_slots.release()
+
+    def _check_headers(self) -> int:
+        """The body's length, once Content-Type and Content-Length are acceptable."""
+        content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise Rejected(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                f"Content-Type must be application/json, got {self.headers.get('Content-Type')!r}",
+            )
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise Rejected(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+        limit = self.server.limits.max_body_bytes
+        if int(length) > limit:
+            raise Rejected(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"body of {length} bytes is too large; send smaller batches",
+                "max_body_bytes",
+                limit,
+            )
+        return int(length)
+
+    def _score(self, length: int) -> None:
+        from diffrl.rewards.base import call_reward
+        from diffrl.rewards.remote import LimitExceeded, decode_request, encode_response
+
+        limits = self.server.limits
         start = time.perf_counter()
         try:
-            pixels, prompts, metadata = decode_request(json.loads(self.rfile.read(int(length))))
-        except ValueError as err:  # json.JSONDecodeError is a ValueError too
+            raw = self.rfile.read(length)
+        except TimeoutError as err:
+            self.close_connection = True
+            self._answer(
+                HTTPStatus.REQUEST_TIMEOUT,
+                Rejected(HTTPStatus.REQUEST_TIMEOUT, str(err), "read_timeout", limits.read_timeout).body(),
+            )
+            return
+        if len(raw) < length:
+            self._answer(HTTPStatus.BAD_REQUEST, {"error": f"body ended after {len(raw)} of {length} bytes"})
+            return
+        try:
+            # Every JSON value but the innermost is followed by ',' or opens '[' / '{': counting them
+            # (a fast bytes scan) bounds what json.loads allocates before it runs.
+            items = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+            if items > limits.max_json_items:
+                raise LimitExceeded("max_json_items", limits.max_json_items, f"about {items} JSON values")
+            body = json.loads(raw)
+            del raw
+            pixels, prompts, metadata = decode_request(
+                body,
+                max_images=limits.max_images,
+                max_image_pixels=limits.max_image_pixels,
+                max_request_pixels=limits.max_request_pixels,
+                max_prompt_chars=limits.max_prompt_chars,
+            )
+            del body
+        except LimitExceeded as err:
+            self._answer(
+                err.status, {"error": f"request too large: {err}", "limit": err.limit, "value": err.value}
+            )
+            return
+        except (ValueError, RecursionError) as err:  # json.JSONDecodeError is a ValueError too
             self._answer(HTTPStatus.BAD_REQUEST, {"error": f"bad request: {err}"})
             return
         try:
@@ -164,12 +375,16 @@ def make_reward_server(
     args: Mapping[str, Any] | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
+    token: str | None = None,
 ) -> RewardHTTPServer:
     """A bound (not yet serving) server for a reward spec (built with `args`) or a reward object.
 
-    `port=0` picks a free port; read it back from `server.url`.
+    `port=0` picks a free port; read it back from `server.url`. `token`: require
+    `Authorization: Bearer <token>` on every request (None: no authentication).
     """
+    from diffrl.rewards.registry import build_reward
+
     if isinstance(reward, str):
         spec, reward_obj = reward, build_reward(reward, args)
     else:
@@ -179,7 +394,7 @@ def make_reward_server(
             )
         spec, reward_obj = getattr(reward, "name", type(reward).__name__), reward
     try:
-        return RewardHTTPServer((host, port), reward_obj, spec, max_body_bytes)
+        return RewardHTTPServer((host, port), reward_obj, spec, limits, token)
     except OSError as err:
         raise ValueError(
             f"cannot listen on {host}:{port}: {err.strerror or err}. Pick another --port (or --port 0 for any free one)"
@@ -191,21 +406,34 @@ def start_reward_server(
     args: Mapping[str, Any] | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
+    limits: ServerLimits | None = None,
+    token: str | None = None,
 ) -> RunningRewardServer:
     """Serve a reward on a background thread (tests, notebooks); `with` it or call `.close()`."""
-    return RunningRewardServer(make_reward_server(reward, args, host, port))
+    return RunningRewardServer(make_reward_server(reward, args, host, port, limits, token))
 
 
 def serve_reward(
-    spec: str, args: Mapping[str, Any] | None = None, host: str = "127.0.0.1", port: int = 8000
+    spec: str,
+    args: Mapping[str, Any] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    limits: ServerLimits | None = None,
+    token: str | None = None,
 ) -> None:
     """Build the reward (models load now), then answer requests until interrupted (Ctrl-C)."""
-    server = make_reward_server(spec, args, host, port)
-    print(f"serving reward {spec!r} at {server.url}  (POST /score, GET /health; Ctrl-C stops)", flush=True)
+    server = make_reward_server(spec, args, host, port, limits, token)
+    auth = "token required" if server.token else "no token: anyone who can reach the port may score"
+    print(
+        f"serving reward {spec!r} at {server.url}  (POST /score, GET /health; {auth}; Ctrl-C stops)",
+        flush=True,
+    )
+    print(f"limits: {json.dumps(asdict(server.limits))}", flush=True)
     url = server.url
     if host in ("0.0.0.0", "::", ""):  # listening on every interface: name this machine instead
         url = f"http://{socket.gethostname()}:{server.server_address[1]}"
-    print(f"use it with: reward.functions.http.args.url={url}", flush=True)
+    hint = f" reward.functions.http.args.token_env={TOKEN_ENV}" if server.token else ""
+    print(f"use it with: reward.functions.http.args.url={url}{hint}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -230,28 +458,62 @@ def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
 SERVE_EPILOG = """\
 examples:
   diffrl serve-reward jpeg_compressibility --port 8000
-  diffrl serve-reward ocr lang=eng --host 0.0.0.0 --port 8001
-  diffrl serve-reward clip_score model=/models/clip-vit-large-patch14
+  DIFFRL_REWARD_TOKEN=$(openssl rand -hex 24) diffrl serve-reward ocr lang=eng --host 0.0.0.0 --port 8001
+  diffrl serve-reward clip_score model=/models/clip-vit-large-patch14 --max-images 64
   diffrl serve-reward my_rewards:brightness target=0.5
 
 then train with: reward.functions.http.args.url=http://HOST:PORT
-Rewards and their args: docs/rewards.md
+  (and reward.functions.http.args.token_env=DIFFRL_REWARD_TOKEN when the server has a token)
+Rewards and their args, the limits and what they protect: docs/rewards.md
 """
+
+# flag name -> help; every ServerLimits field is one flag with its default shown.
+LIMIT_HELP = {
+    "max_connections": "open connections at once; more are answered 503 at once",
+    "max_concurrent_requests": "requests being read, decoded or scored at once; more get 503",
+    "read_timeout": "seconds to receive a whole request (headers and body); slower clients are cut off",
+    "max_body_bytes": "request body size in bytes (413 beyond)",
+    "max_json_items": "JSON values in a request body (413 beyond)",
+    "max_images": "images per request, video frames counted (413 beyond)",
+    "max_image_pixels": "width x height of one image, read from its header before decoding (413 beyond)",
+    "max_request_pixels": "width x height summed over a request's images (413 beyond)",
+    "max_prompt_chars": "characters in one prompt (413 beyond)",
+}
+
+
+def limits_from_args(ns: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(ns, f.name) for f in fields(ServerLimits)})
+
+
+def token_from_args(ns: argparse.Namespace) -> str | None:
+    """The token from the environment variable `--token-env` names (default DIFFRL_REWARD_TOKEN).
+
+    Never a command-line value: arguments are visible to every user of the machine (ps).
+    """
+    token = os.environ.get(ns.token_env)
+    if ns.token_env != TOKEN_ENV and not token:
+        raise ValueError(
+            f"--token-env {ns.token_env} names an environment variable that is not set (or empty): "
+            f"export {ns.token_env}=<a long random string>"
+        )
+    return token or None
 
 
 def cmd_serve_reward(ns: argparse.Namespace) -> int:
     """The `diffrl serve-reward` command (logs one line per scored request to stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve_reward(ns.name, parse_key_values(ns.args), ns.host, ns.port)
+    limits, token = limits_from_args(ns), token_from_args(ns)
+    serve_reward(ns.name, parse_key_values(ns.args), ns.host, ns.port, limits, token)
     return 0
 
 
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `serve-reward NAME [key=value ...] [--host H] [--port P]` to diffrl's subcommands."""
+    """Add `serve-reward NAME [key=value ...] [--host H] [--port P] [--token-env VAR] [limits]`."""
     parser = subparsers.add_parser(
         "serve-reward",
         help="serve a registered reward over HTTP (JSON + base64 PNG)",
-        description="Serve any registered reward (or module:function) over HTTP for `reward.functions.http`.",
+        description="Serve any registered reward (or module:function) over HTTP for `reward.functions.http`. "
+        "Every request is bounded by the limits below; rejections are 4xx/503 with the limit named.",
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -265,5 +527,22 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free one)"
     )
+    parser.add_argument(
+        "--token-env",
+        default=TOKEN_ENV,
+        metavar="VAR",
+        help=f"environment variable holding the token every request must send as 'Authorization: Bearer' "
+        f"(default {TOKEN_ENV}; unset = no authentication)",
+    )
+    defaults = ServerLimits()
+    for f in fields(ServerLimits):
+        default = getattr(defaults, f.name)
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=type(default),
+            default=default,
+            help=f"{LIMIT_HELP[f.name]} (default {default})",
+        )
     parser.set_defaults(func=cmd_serve_reward)
     return parser

@@ -86,7 +86,12 @@ def test_remote_errors_are_reported_with_the_servers_message():
     with start_reward_server("reward_test_helpers:always_fails") as server:
         with pytest.raises(RuntimeError, match=r"answered HTTP 500: RuntimeError: scorer exploded"):
             build_reward("http", {"url": server.url, **FAST})(_pixels(1), ["a"], None)
-        request = urllib.request.Request(f"{server.url}/score", data=b"not json", method="POST")
+        request = urllib.request.Request(
+            f"{server.url}/score",
+            data=b"not json",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=5)
         assert info.value.code == 400 and "bad request" in json.loads(info.value.read())["error"]
