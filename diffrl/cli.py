@@ -7,9 +7,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from diffrl import __version__
+
+# Parsing the command line imports nothing heavy (torch, diffusers, transformers, Ray): every
+# command imports what it needs inside its function, so `diffrl --help` and `diffrl config` start
+# in well under a second. tests/test_cli.py checks it.
 
 EPILOG = """\
 examples:
@@ -19,7 +21,10 @@ examples:
   diffrl config my_run.yaml trainer.total_steps=10 a YAML file of overrides instead of a preset
   diffrl eval runs/default-20261122-101500         held-out accuracy of a run's newest checkpoint
   diffrl sft                                       pretrain the shapes world's toy model
+  diffrl export runs/default-20261122-101500 --out my_lora   the trained LoRA, diffusers format
+  diffrl export runs/default-20261122-101500 --out my_model --merge   a full pipeline, LoRA merged
   diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/
+  diffrl sample --model ./sd35-medium --lora my_lora --prompt "a cat holding a sign" --out samples/
 
 Keys and their meaning: docs/configuration.md
 """
@@ -33,16 +38,15 @@ def _split_source(items: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from diffrl.config import preset_names, preset_summary
+    from diffrl.config.catalog import format_presets
 
-    names = preset_names()
-    width = max(map(len, names))
-    for name in names:
-        print(f"{name:<{width}}  {preset_summary(name)}")
+    print(format_presets(), end="")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
     from diffrl.config import load_config, to_yaml
 
     source, overrides = _split_source(args.items)
@@ -79,6 +83,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from diffrl.train.export import export_run
+
+    out = export_run(args.target, args.out, merge=args.merge, device=args.device)
+    print(out.describe())
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from diffrl.rollout.generate import generate
 
@@ -105,6 +117,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         micro_batch_size=args.micro_batch_size,
+        lora=args.lora,
+        lora_scale=args.lora_scale,
     )
     print(f"wrote {len(written)} file(s) and samples.jsonl to {args.out}")
     return 0
@@ -127,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"diffrl {__version__}")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show third-party warnings and progress bars (transformers, diffusers, Ray); hidden by default",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser(
@@ -158,7 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", help="output folder (default: RUN_DIR/eval/step_N or runs/eval/NAME)")
     evaluate.set_defaults(func=cmd_eval)
 
-    presets = sub.add_parser("presets", help="list the built-in presets")
+    export = sub.add_parser(
+        "export",
+        help="write a run's trained weights: LoRA in the diffusers format, or a full pipeline (--merge)",
+        description="Export the weights of a run directory (its newest checkpoint) or of one checkpoint "
+        "(RUN/checkpoints/step_N). A LoRA run gives the adapter in the diffusers format "
+        "(pipe.load_lora_weights(OUT), or diffrl sample --lora OUT); --merge, or a full fine-tuning run, "
+        "gives a whole diffusers pipeline directory (DiffusionPipeline.from_pretrained(OUT)).",
+    )
+    export.add_argument("target", help="RUN_DIR or RUN_DIR/checkpoints/step_N")
+    export.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    export.add_argument(
+        "--merge", action="store_true", help="merge the LoRA into the base model and write the whole pipeline"
+    )
+    export.add_argument("--device", default="cpu", help="where to load the model (default cpu)")
+    export.set_defaults(func=cmd_export)
+
+    presets = sub.add_parser("presets", help="list the built-in presets and how far each has been verified")
     presets.set_defaults(func=cmd_presets)
 
     config = sub.add_parser(
@@ -175,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate images or videos with the ODE sampler (or an SDE with --noise-level > 0).",
     )
     sample.add_argument("--model", required=True, help="local diffusers pipeline directory")
+    sample.add_argument(
+        "--lora", help="a LoRA directory in the diffusers format (`diffrl export RUN --out DIR` writes one)"
+    )
+    sample.add_argument("--lora-scale", type=float, default=1.0, help="LoRA strength (default 1)")
     sample.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     sample.add_argument("--prompts-file", help="a text file with one prompt per line")
     sample.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
@@ -189,14 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--max-sequence-length", type=int, default=256)
     sample.add_argument("--noise-level", type=float, default=0.0, help="0 = deterministic ODE sampling")
     sample.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on GPU")
-    sample.add_argument("--device", help="default: cuda when available, else cpu")
+    sample.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     sample.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward")
     sample.set_defaults(func=cmd_sample)
 
-    from diffrl.rewards.server import register_cli as register_serve_reward
-
-    register_serve_reward(sub)
+    # The reward server's module imports the reward stack; its parser is built only when the
+    # command runs (here a placeholder takes every argument, `--help` included, verbatim).
+    serve = sub.add_parser(
+        "serve-reward",
+        help="serve a registered reward over HTTP (JSON + base64 PNG); `diffrl serve-reward --help`",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    serve.add_argument("argv", nargs="*")
+    serve.set_defaults(func=cmd_serve_reward)
     return parser
+
+
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    from diffrl.rewards.server import register_cli
+
+    parser = argparse.ArgumentParser(prog="diffrl")
+    register_cli(parser.add_subparsers(dest="command"))
+    real = parser.parse_args(["serve-reward", *args.argv])
+    return real.func(real)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from diffrl.telemetry.console import configure
+
+    configure(verbose=args.verbose)  # before any command imports transformers, diffusers or Ray
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:

@@ -1,5 +1,6 @@
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_presets_lists_every_preset_with_its_summary(capsys):
     out = capsys.readouterr().out
     for name in preset_names():
         assert name in out
-    assert "Flow-GRPO on the shapes world on a CPU" in out
+    assert "Flow-GRPO on the shapes world on a CPU." in " ".join(out.split())
 
 
 def test_console_script_is_installed_and_returns_exit_codes():
@@ -112,3 +113,53 @@ def test_sample_errors_are_clear(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     assert main(["sample", "--model", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_presets_show_whole_first_sentences_and_a_verification_level(capsys):
+    from diffrl.config.catalog import LEVELS, format_presets, preset_info
+
+    for name in preset_names():
+        info = preset_info(name)  # raises for a missing or unknown level
+        assert info.level in LEVELS
+        assert info.summary.endswith((".", ")", "!", "?")) or info.summary.endswith(tuple("0123456789")), info
+    shapes_dancegrpo = preset_info("shapes_dancegrpo")  # its first sentence spans two header lines
+    assert shapes_dancegrpo.summary == (
+        "DanceGRPO on the shapes world: dance_sde on every step, one initial noise per prompt group, each "
+        "sample training a random 60% of its steps."
+    )
+    assert preset_info("tiny_sd3").level == "CPU end to end in CI"
+    listing = format_presets(width=80)
+    assert all(len(line) <= 80 for line in listing.splitlines()[:-1])
+    words = " ".join(listing.split())  # wrapping moves line breaks, never drops words
+    assert shapes_dancegrpo.summary in words and "[learning verified]" in words
+
+
+def test_preset_headers_without_a_valid_level_are_rejected(tmp_path):
+    from diffrl.config.catalog import preset_info
+
+    (tmp_path / "a.yaml").write_text("# Something.\nmodel:\n  path: x\n")
+    (tmp_path / "b.yaml").write_text("# Something.\n# verified: works on my laptop\nmodel: {}\n")
+    with pytest.raises(ValueError, match="no '# verified: <level>' line"):
+        preset_info("a", tmp_path)
+    with pytest.raises(ValueError, match="does not start with one of"):
+        preset_info("b", tmp_path)
+
+
+@pytest.mark.parametrize("argv", [["--help"]])
+def test_parsing_and_config_import_nothing_heavy(argv):
+    """`diffrl --help`, `diffrl config` and `diffrl presets` must start fast: no torch, diffusers,
+    transformers or Ray at all (importing them is most of a slow start)."""
+    code = (
+        "import sys\n"
+        "from diffrl.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'diffusers', 'transformers', 'ray'})\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert "HEAVY []" in done.stderr, done.stderr[-2000:]

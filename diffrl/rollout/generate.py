@@ -1,4 +1,5 @@
-"""`diffrl sample`: generate images or videos from a model directory, written to a folder."""
+"""`diffrl sample`: generate images or videos from a model directory (optionally with an exported
+LoRA), written to a folder."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from PIL import Image
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.models import load_model
+from diffrl.models.base import ModelAdapter
 from diffrl.rollout import TrajectorySampler
 
 
@@ -18,8 +20,61 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> torch.device:
+    """`device` parsed, and present on this machine: else a ValueError naming the devices there are."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a device name (cpu, cuda, cuda:N): {err}") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device!r}: this machine has no CUDA device; use --device cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(
+                f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    elif parsed.type != "cpu":
+        raise ValueError(f"--device {device!r}: diffrl sample runs on cpu or cuda[:N]")
+    return parsed
+
+
+def check_lora_dir(lora: str | Path) -> Path:
+    """A directory that holds a LoRA in the diffusers format, or a FileNotFoundError/ValueError saying
+    what it is instead and how to get one."""
+    from diffrl.train.export import LORA_FILE
+
+    path = Path(lora)
+    if not path.exists():
+        raise FileNotFoundError(f"--lora {str(lora)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"--lora {str(lora)!r} is a file: pass the directory that holds {LORA_FILE}")
+    if (path / LORA_FILE).is_file():
+        return path
+    if (path / "config.yaml").is_file() or path.parent.name == "checkpoints":
+        hint = f"it is a run or a checkpoint: export its LoRA first, `diffrl export {lora} --out DIR`, then --lora DIR"
+    elif (path / "model_index.json").is_file():
+        hint = "it is a full pipeline (e.g. a merged export): pass it as --model instead"
+    else:
+        hint = "`diffrl export RUN --out DIR` writes one"
+    raise ValueError(f"--lora {str(lora)!r} holds no {LORA_FILE} (a LoRA in the diffusers format): {hint}")
+
+
+def load_lora(adapter, lora_dir: Path, scale: float = 1.0) -> None:
+    """Load an exported LoRA into the adapter's pipeline with diffusers' own loader
+    (`pipe.load_lora_weights`, which reads the adapter's alpha from the file's metadata)."""
+    pipe = adapter.pipe
+    if not hasattr(pipe, "load_lora_weights"):
+        raise ValueError(
+            f"{type(pipe).__name__} has no LoRA loader in diffusers: --lora is not supported for it"
+        )
+    pipe.load_lora_weights(str(lora_dir), adapter_name="default")
+    if scale != 1.0:
+        pipe.set_adapters(["default"], adapter_weights=[scale])
+
+
 def generate(
-    model: str,
+    model: str | ModelAdapter,
     prompts: Sequence[str],
     out_dir: str | Path,
     *,
@@ -37,16 +92,28 @@ def generate(
     device: str | None = None,
     micro_batch_size: int = 8,
     fps: int = 16,
+    lora: str | Path | None = None,
+    lora_scale: float = 1.0,
 ) -> list[Path]:
     """Sample `n` images (or videos) per prompt and write them with a manifest, samples.jsonl.
 
     Sample j of prompt i uses the noise keyed (seed, 0, i·n + j): the same call gives the same files.
+    `model`: a model directory (or `toy:`/`tiny:` name), or an already loaded adapter (then `dtype`
+    and `device` are its own). `lora`: a LoRA directory in the diffusers format (`diffrl export`),
+    loaded on top of the model. The device and the LoRA directory are checked before the model loads.
     """
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
-    device = device or default_device()
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    adapter = load_model(model, dtype=dtype, device=device)
+    lora_dir = check_lora_dir(lora) if lora is not None else None
+    if isinstance(model, ModelAdapter):
+        adapter = model
+    else:
+        device = device or default_device()
+        check_device(device)
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        adapter = load_model(model, dtype=dtype, device=device)
+    if lora_dir is not None:
+        load_lora(adapter, lora_dir, lora_scale)
     cfg = RolloutConfig(
         n=n,
         micro_batch_size=micro_batch_size,
@@ -76,7 +143,16 @@ def generate(
             _save(pixels, path, fps)
             written.append(path)
             manifest.write(
-                json.dumps({"file": path.name, "prompt": prompts[p], "seed": seed, "sample": b % n}) + "\n"
+                json.dumps(
+                    {
+                        "file": path.name,
+                        "prompt": prompts[p],
+                        "seed": seed,
+                        "sample": b % n,
+                        **({"lora": str(lora_dir), "lora_scale": lora_scale} if lora_dir else {}),
+                    }
+                )
+                + "\n"
             )
     return written
 

@@ -11,6 +11,10 @@ Three consumers, three shapes:
 - `iter_weights` yields (name, tensor) pairs one at a time for rollout workers that hold the same
   module structure (names are the module's state-dict keys).
 
+On top of them, `export_pipeline` writes a whole diffusers pipeline directory, `export_run` is
+`diffrl export` (a run's checkpoint -> LoRA or pipeline, in one process) and `export_final_weights`
+is the end of `diffrl train` (RUN/export, written by the workers).
+
 All three work on plain modules and on FSDP2-sharded ones (DTensor parameters). Under an initialised
 process group they are collectives: every rank must call them (in the same order), because
 gathering a shard is an all-gather; only rank 0 writes files.
@@ -21,7 +25,9 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -219,3 +225,177 @@ def export_full(
         del clone, state
     barrier()
     return out
+
+
+# ---------------------------------------------------------------------------------- pipelines
+def export_pipeline(adapter, out_dir: str | Path, *, model_path: str | Path, merge: bool) -> Path:
+    """Write the adapter's whole pipeline as a diffusers directory: `DiffusionPipeline.from_pretrained(out)`.
+
+    The transformer goes through `export_full` (LoRA adapter `default` merged in when `merge`; it
+    gathers FSDP shards, so call it on every rank); rank 0 writes the other components as loaded
+    and the model directory's own model_index.json (`model_path`: `model.path`, `toy:`/`tiny:` names
+    included). Everything is written to `<out>.partial` and renamed at the end, so a crash never
+    leaves a half-written pipeline under `out`.
+    """
+    from diffrl.models import resolve_model_path
+
+    out = Path(out_dir)
+    staging = out.with_name(out.name + ".partial")
+    if rank() == 0 and staging.exists():
+        shutil.rmtree(staging)
+    barrier()
+    export_full(adapter.transformer, staging / "transformer", merge=merge)
+    if rank() == 0:
+        for name, component in adapter.pipe.components.items():
+            if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
+                component.save_pretrained(staging / name)
+        shutil.copy(resolve_model_path(model_path) / "model_index.json", staging / "model_index.json")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------------- runs
+EXPORT_INFO = "diffrl_export.json"  # what an export came from, next to the weights
+LORA_FILE = "pytorch_lora_weights.safetensors"  # the file diffusers' save/load_lora_weights use
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    kind: str  # "lora" or "pipeline"
+    source: str  # the checkpoint, or the run for its end-of-run export
+    base_model: str  # the run's model.path: what the LoRA goes on top of
+
+    def describe(self) -> str:
+        if self.kind == "lora":
+            how = (
+                f"load it with pipe.load_lora_weights({str(self.out)!r}), or: "
+                f"diffrl sample --model {self.base_model} --lora {self.out} --prompt ... --out DIR"
+            )
+            return f"exported the LoRA of {self.source} to {self.out} ({how})"
+        how = f"load it with DiffusionPipeline.from_pretrained({str(self.out)!r}), or: diffrl sample --model {self.out}"
+        return f"exported the full pipeline of {self.source} to {self.out} ({how})"
+
+
+def _write_info(out: Path, **info) -> None:
+    (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def resolve_run_checkpoint(target: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint) of TARGET: a run directory (its newest complete checkpoint) or
+    one of its checkpoints (RUN/checkpoints/step_N)."""
+    from diffrl.train.checkpoint import latest_checkpoint
+
+    path = Path(target)
+    if (path / "config.yaml").is_file():
+        checkpoint = latest_checkpoint(path / "checkpoints")
+        if checkpoint is None:
+            raise FileNotFoundError(
+                f"run {path} has no complete checkpoint in {path / 'checkpoints'}: nothing to export yet "
+                "(checkpoints are written every trainer.save_freq steps and at the end of the run)"
+            )
+        return path, checkpoint
+    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return path.parent.parent, path
+    if (path / "model_index.json").is_file():
+        raise ValueError(
+            f"{target} is a diffusers model directory, not a run: there are no trained weights to export "
+            "(load it directly, e.g. diffrl sample --model)"
+        )
+    raise FileNotFoundError(
+        f"{target} is neither a run directory (with config.yaml) nor a checkpoint (RUN/checkpoints/step_N)"
+    )
+
+
+def export_run(
+    target: str | Path, out_dir: str | Path, *, merge: bool = False, device: str = "cpu"
+) -> ExportResult:
+    """`diffrl export`: the trained weights of a run or checkpoint, in one process (no Ray).
+
+    The model is built as the run's training engine builds it (same LoRA adapters, names and
+    initialisation seed), the checkpoint's weights are loaded into it (no optimizer state, no RNG),
+    and then: a LoRA run writes its `default` adapter in the diffusers LoRA format (`export_lora`);
+    with `merge`, or for a full fine-tuning run, the whole pipeline (`export_pipeline`).
+    """
+    from diffrl.config import load_config
+    from diffrl.models import load_model
+    from diffrl.train.checkpoint import load_checkpoint
+    from diffrl.train.engine import TrainEngine
+    from diffrl.trainer.run import worker_options
+
+    run_dir, checkpoint = resolve_run_checkpoint(target)
+    cfg = load_config(str(run_dir / "config.yaml"), job="eval")
+    adapter = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+    options = worker_options(cfg)
+    engine = TrainEngine(
+        adapter,
+        cfg.model,
+        cfg.actor,
+        total_optim_steps=1,
+        with_old=options.get("with_old", False),
+        with_reference=False,  # a frozen copy is for training only
+        seed=cfg.trainer.seed,
+    )
+    extra = load_checkpoint(
+        checkpoint,
+        model=engine.transformer,
+        optimizer=None,
+        scheduler=None,
+        trainable_only=engine.lora,
+        restore_rng=False,
+    )
+    out = Path(out_dir)
+    info = {
+        "run": str(run_dir),
+        "checkpoint": str(checkpoint),
+        "step": extra.get("step"),
+        "base_model": cfg.model.path,
+    }
+    if engine.lora and not merge:
+        staging = out.with_name(out.name + ".partial")
+        if staging.exists():
+            shutil.rmtree(staging)
+        engine.export_lora(staging)
+        _write_info(staging, kind="lora", **info)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+        return ExportResult(out, "lora", str(checkpoint), cfg.model.path)
+    export_pipeline(adapter, out, model_path=cfg.model.path, merge=engine.lora)
+    _write_info(out, kind="pipeline", merged=engine.lora, **info)
+    return ExportResult(out, "pipeline", str(checkpoint), cfg.model.path)
+
+
+def export_final_weights(workers, run_dir: str | Path, cfg) -> ExportResult:
+    """End of `diffrl train`: the trained weights to RUN/export, by the workers that hold them.
+
+    LoRA: the `default` adapter in the diffusers LoRA format; full fine-tuning: the whole pipeline.
+    The workers write into RUN/export.partial (every rank takes part: gathering FSDP shards is a
+    collective) and it replaces RUN/export when they are done. Prints where it went.
+    """
+    lora = cfg.model.lora.rank > 0
+    out = Path(run_dir) / "export"
+    staging = out.with_name(out.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    workers.call("export_lora" if lora else "export_pipeline", str(staging))
+    _write_info(
+        staging,
+        kind="lora" if lora else "pipeline",
+        run=str(run_dir),
+        step="final",
+        base_model=cfg.model.path,
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    result = ExportResult(
+        out, "lora" if lora else "pipeline", f"run {run_dir} (its final weights)", cfg.model.path
+    )
+    print(result.describe())
+    return result

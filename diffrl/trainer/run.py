@@ -28,6 +28,7 @@ from diffrl.data import PromptRecord, load_prompts
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
+from diffrl.train.export import export_final_weights
 from diffrl.trainer.loop import TrainingLoop
 from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.trainer.sharding import write_json
@@ -523,6 +524,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
                 cfg, j.run_dir, reuse_rollout_log_probs=reuse_rollout_log_probs(cfg), **loop_args
             )
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
+        export_final_weights(j.workers, j.run_dir, cfg)
     from diffrl.telemetry.report import write_report
 
     print(write_report(j.run_dir))

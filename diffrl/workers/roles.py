@@ -233,32 +233,15 @@ class ActorWorker:
         return torch.cat([cache[p] for p in prompts])
 
     def export_pipeline(self, out_dir: str) -> str:
-        """The whole pipeline with the trained transformer (LoRA merged in) as a diffusers directory.
+        """The whole pipeline with the trained transformer (LoRA merged in) as a diffusers directory
+        (`diffrl.train.export.export_pipeline`; every rank calls it, rank 0 writes)."""
+        from diffrl.train.export import export_pipeline
 
-        The transformer goes through `export_full` (it gathers FSDP shards); rank 0 then writes the
-        other components as loaded and the source directory's model_index.json.
-        """
-        import shutil
-
-        from diffrl.models import resolve_model_path
-        from diffrl.train.distributed import rank
-        from diffrl.train.export import export_full
-
-        out = Path(out_dir)
-        staging = out.with_name(out.name + ".partial")
-        export_full(self.engine.transformer, staging / "transformer", merge=self.engine.lora)
-        if rank() == 0:
-            for name, component in self.engine.adapter.pipe.components.items():
-                if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
-                    component.save_pretrained(staging / name)
-            shutil.copy(
-                resolve_model_path(self.cfg.model.path) / "model_index.json", staging / "model_index.json"
+        return str(
+            export_pipeline(
+                self.engine.adapter, out_dir, model_path=self.cfg.model.path, merge=self.engine.lora
             )
-            # A crash while writing leaves only the .partial directory, never a half-written model/.
-            if out.exists():
-                shutil.rmtree(out)
-            staging.rename(out)
-        return str(out)
+        )
 
     def optim_step(self) -> dict[str, float]:
         return self.engine.optim_step()

@@ -1,0 +1,208 @@
+"""`diffrl export` and `diffrl sample --lora` on real (tiny) training runs, checked against plain diffusers.
+
+For a tiny SD3 and a tiny FLUX, one Flow-GRPO step with a large learning rate (so the LoRA moves the
+samples visibly) writes a checkpoint and the end-of-run export. The reference is the engine's own
+samples: the run's model built as the trainer builds it, the checkpoint loaded, sampled by
+diffrl's sampler. Against it:
+- the exported LoRA loaded by diffusers' `load_lora_weights` (what `diffrl sample --lora` does):
+  identical pixels;
+- the merged pipeline loaded by `DiffusionPipeline.from_pretrained`: pixels within 1 level of 255,
+  because merging computes W + s·B·A once in fp32 where the LoRA forward computes x·W + s·(x·A)·B;
+  the two round differently in the last bits, which can move a pixel across a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffrl.cli import main
+from diffrl.config import load_config
+from diffrl.models import load_model
+from diffrl.rollout.generate import generate
+from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from diffrl.train.engine import TrainEngine
+from diffrl.trainer.run import train
+
+PROMPTS = ["a red circle", "two blue squares"]
+SAMPLE = dict(n=2, steps=4, guidance_scale=4.5, height=32, width=32, max_sequence_length=16, seed=3)
+
+
+def _pixels(folder) -> np.ndarray:
+    files = sorted(folder.glob("*.png"))
+    assert len(files) == len(PROMPTS) * SAMPLE["n"]
+    return np.stack([np.asarray(Image.open(f)).astype(np.int16) for f in files])
+
+
+@pytest.fixture(scope="module", params=["sd3", "flux"])
+def run(request, tmp_path_factory):
+    """The run directory of a one-step LoRA run on the tiny model of `family`."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"export_{family}")
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "diffrl_cache"))
+    overrides = [
+        f"model.path=tiny:{family}",
+        "trainer.total_steps=1",
+        "trainer.save_freq=1",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+        f"trainer.output_dir={root}",
+        "trainer.run_name=run",
+        "actor.optim.lr=2e-2",  # one Adam step moves every LoRA B entry by ~lr: visible in pixels
+    ]
+    if family == "flux":
+        overrides.append("rollout.pipeline.guidance_scale=3.5")  # FLUX's distilled guidance, no CFG pass
+    yield train("tiny_sd3", overrides)
+    monkeypatch.undo()
+
+
+def _engine_samples(run_dir, out):
+    """The engine's own samples: the model as the trainer builds it, with the newest checkpoint."""
+    cfg = load_config(str(run_dir / "config.yaml"), job="eval")
+    adapter = load_model(cfg.model.path, dtype=cfg.model.dtype)
+    engine = TrainEngine(adapter, cfg.model, cfg.actor, total_optim_steps=1, seed=cfg.trainer.seed)
+    load_checkpoint(
+        latest_checkpoint(run_dir / "checkpoints"),
+        model=engine.transformer,
+        optimizer=None,
+        scheduler=None,
+        trainable_only=True,
+        restore_rng=False,
+    )
+    engine.transformer.eval()
+    with torch.no_grad():
+        generate(adapter, PROMPTS, out, **SAMPLE)
+    return _pixels(out)
+
+
+def test_export_lora_and_merged_pipeline_reproduce_the_engine(run, tmp_path, capsys):
+    run_dir = run
+    cfg = load_config(str(run_dir / "config.yaml"), job="eval")
+    expected = _engine_samples(run_dir, tmp_path / "engine")
+    generate(cfg.model.path, PROMPTS, tmp_path / "base", dtype="float32", device="cpu", **SAMPLE)
+    base = _pixels(tmp_path / "base")
+    assert np.abs(expected - base).max() > 8, (
+        "the trained LoRA must change the samples for this test to mean anything"
+    )
+
+    # diffrl export RUN --out DIR: the LoRA, loaded by diffusers' load_lora_weights in `diffrl sample --lora`
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "lora")]) == 0
+    assert "exported the LoRA of" in capsys.readouterr().out
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    generate(
+        cfg.model.path,
+        PROMPTS,
+        tmp_path / "with_lora",
+        dtype="float32",
+        device="cpu",
+        lora=tmp_path / "lora",
+        **SAMPLE,
+    )
+    assert np.abs(_pixels(tmp_path / "with_lora") - expected).max() == 0
+
+    # The end-of-run export (RUN/export) is the same adapter.
+    generate(
+        cfg.model.path,
+        PROMPTS,
+        tmp_path / "end",
+        dtype="float32",
+        device="cpu",
+        lora=run_dir / "export",
+        **SAMPLE,
+    )
+    assert np.abs(_pixels(tmp_path / "end") - expected).max() == 0
+
+    # --merge: a whole diffusers pipeline, loaded by DiffusionPipeline.from_pretrained (load_model).
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    info = json.loads((tmp_path / "merged" / "diffrl_export.json").read_text())
+    assert info["kind"] == "pipeline" and info["merged"] and info["step"] == 1
+    generate(
+        str(tmp_path / "merged"), PROMPTS, tmp_path / "from_merged", dtype="float32", device="cpu", **SAMPLE
+    )
+    assert np.abs(_pixels(tmp_path / "from_merged") - expected).max() <= 1
+
+
+def test_plain_diffusers_load_lora_weights_gives_the_engine_transformer(run, tmp_path):
+    """Without diffrl's loader: the pipeline class's own from_pretrained + load_lora_weights."""
+    from diffusers import DiffusionPipeline
+
+    run_dir = run
+    assert (
+        main(["export", str(run_dir / "checkpoints" / "step_00000001"), "--out", str(tmp_path / "lora")]) == 0
+    )
+    cfg = load_config(str(run_dir / "config.yaml"), job="eval")
+    adapter = load_model(cfg.model.path, dtype="float32")
+    engine = TrainEngine(adapter, cfg.model, cfg.actor, total_optim_steps=1, seed=cfg.trainer.seed)
+    load_checkpoint(
+        run_dir / "checkpoints" / "step_00000001",
+        model=engine.transformer,
+        optimizer=None,
+        scheduler=None,
+        trainable_only=True,
+        restore_rng=False,
+    )
+    from diffrl.models import resolve_model_path
+
+    pipe = DiffusionPipeline.from_pretrained(resolve_model_path(cfg.model.path), dtype=torch.float32)
+    pipe.load_lora_weights(tmp_path / "lora")
+    trained = {n: p for n, p in engine.transformer.named_parameters() if "lora_" in n}
+    # diffusers names the loaded adapter default_0; everything else must match one to one.
+    loaded = {
+        n.replace(".default_0.", ".default."): p
+        for n, p in pipe.transformer.named_parameters()
+        if "lora_" in n
+    }
+    assert loaded.keys() == trained.keys() and loaded
+    assert all(torch.equal(p, trained[n]) for n, p in loaded.items())
+    assert any(p.abs().max() > 0 for n, p in loaded.items() if ".lora_B." in n)
+    layer = next(m for m in pipe.transformer.modules() if getattr(m, "scaling", None))
+    assert layer.scaling["default_0"] == cfg.model.lora.alpha / cfg.model.lora.rank
+
+
+@pytest.mark.parametrize(
+    ("argv_tail", "expected"),
+    [
+        (["--device", "cuda:7"], "--device 'cuda:7'"),
+        (["--device", "tpu"], "--device 'tpu'"),
+        (["--lora", "/nonexistent/lora"], "--lora '/nonexistent/lora' does not exist"),
+    ],
+)
+def test_sample_rejects_bad_devices_and_lora_dirs_before_loading(argv_tail, expected, capsys):
+    argv = ["sample", "--model", "/nonexistent/model", "--prompt", "x", "--out", "/tmp/unused", *argv_tail]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_sample_lora_dir_that_is_a_run_says_to_export_it(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("{}\n")
+    argv = [
+        "sample",
+        "--model",
+        "/nonexistent",
+        "--prompt",
+        "x",
+        "--out",
+        str(tmp_path / "o"),
+        "--lora",
+        str(tmp_path),
+    ]
+    assert main(argv) == 2
+    assert f"diffrl export {tmp_path} --out DIR" in capsys.readouterr().err
+
+
+def test_export_of_something_that_is_not_a_run(tmp_path, tiny_model, capsys):
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "neither a run directory" in capsys.readouterr().err
+    assert main(["export", str(tiny_model("sd3")), "--out", str(tmp_path / "o")]) == 2
+    assert "not a run: there are no trained weights" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "o")]) == 2
+    assert "has no complete checkpoint" in capsys.readouterr().err
