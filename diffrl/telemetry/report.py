@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from diffrl.telemetry.sinks import read_metrics
+from diffrl.telemetry.sinks import format_value, read_metrics
 
 TRAIN_REWARD = "rewards/mean"
 VAL_REWARD = "val/rewards/mean"
@@ -29,14 +30,30 @@ VAL_REWARD = "val/rewards/mean"
 HEADLINE = ("val/rewards/mean", "val/accuracy")
 
 
-def validation_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The `val/...` entries of one step's metrics, plus `val/accuracy`: the mean over data sources
-    of a per-source `accuracy` extra (the shapes verifier's), weighting every category equally."""
-    val = {k: v for k, v in metrics.items() if k.startswith("val/") and isinstance(v, int | float)}
-    per_source = [v for k, v in val.items() if k.endswith("/accuracy") and k.count("/") == 2]
+def add_accuracy(metrics: dict[str, float]) -> dict[str, float]:
+    """Add `val/accuracy` to one validation's metrics: the mean over data sources of their
+    `val/<source>/accuracy` (the shapes verifier's per category), every category weighted equally.
+    The validation logs it and the console and this report show it: one definition everywhere."""
+    per_source = [v for k, v in metrics.items() if _is_source_accuracy(k)]
     if per_source:
-        val["val/accuracy"] = sum(per_source) / len(per_source)
-    return val
+        metrics["val/accuracy"] = sum(per_source) / len(per_source)
+    return metrics
+
+
+def _is_source_accuracy(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 3 and parts[0] == "val" and parts[2] == "accuracy" and parts[1] != "rewards"
+
+
+def validation_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The `val/...` entries of one step's metrics, with `val/accuracy` (`add_accuracy`; computed
+    here too for runs logged before validation logged it)."""
+    val = {k: v for k, v in metrics.items() if k.startswith("val/") and isinstance(v, int | float)}
+    return add_accuracy(val) if "val/accuracy" not in val else val
+
+
+def _change(before: float, after: float, same: bool) -> str:
+    return f"{after:.2f}" if same else f"{before:.2f}→{after:.2f}"
 
 
 def write_report(run_dir: str | Path) -> str:
@@ -57,15 +74,20 @@ def write_report(run_dir: str | Path) -> str:
             }
         )
         for key in HEADLINE:
-            if key in validations[first]:
-                before, after = validations[first][key], validations[last][key]
-                lines.append(f"{key}: {before:.3f} (step {first}) → {after:.3f} (step {last})")
-        sources = sorted(k for k in validations[last] if k.endswith("/accuracy") and k.count("/") == 2)
+            if key not in validations[last]:
+                continue
+            after = format_value(validations[last][key])
+            if first == last:
+                lines.append(f"{key}: {after} (step {last}, the only validation)")
+            else:
+                before = format_value(validations[first].get(key, math.nan))
+                lines.append(f"{key}: {before} (step {first}) → {after} (step {last})")
+        sources = sorted(k for k in validations[last] if _is_source_accuracy(k))
         if sources:
             lines.append(
-                "per category: "
+                "val/<category>/accuracy: "
                 + ", ".join(
-                    f"{k.split('/')[1]} {validations[first].get(k, math.nan):.2f}→{validations[last][k]:.2f}"
+                    f"{k.split('/')[1]} {_change(validations[first].get(k, math.nan), validations[last][k], first == last)}"
                     for k in sources
                 )
             )
@@ -75,15 +97,52 @@ def write_report(run_dir: str | Path) -> str:
             lines.append(f"before/after samples: {run_dir / 'before_after.png'}")
     curve = {s: m[TRAIN_REWARD] for s, m in steps.items() if TRAIN_REWARD in m}
     if curve or validations:
-        series = [("train reward", curve, (31, 119, 180))]
-        series.append(("val reward", {s: v[VAL_REWARD] for s, v in validations.items()}, (214, 39, 40)))
+        series = [(TRAIN_REWARD, curve, (31, 119, 180))]
+        series.append((VAL_REWARD, {s: v[VAL_REWARD] for s, v in validations.items()}, (214, 39, 40)))
         if any("val/accuracy" in v for v in validations.values()):
             accuracy = {s: v["val/accuracy"] for s, v in validations.items() if "val/accuracy" in v}
-            series.append(("val accuracy", accuracy, (44, 160, 44)))
+            series.append(("val/accuracy", accuracy, (44, 160, 44)))
         line_plot(series, run_dir / "reward_curve.png", title=run_dir.name)
         lines.append(f"reward curve: {run_dir / 'reward_curve.png'}")
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return "\n".join(lines)
+
+
+def finished_run(run_dir: str | Path, total_steps: int) -> str | None:
+    """When `run_dir` holds a run that already completed `total_steps` (its summary.json, written
+    at the very end, says so), the message to print instead of starting it again; else None.
+
+    Cheap (reads one JSON file), so `diffrl train`/`sft` call it before loading any model."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        steps = json.loads(path.read_text(encoding="utf-8"))["steps"]
+    except (ValueError, KeyError, TypeError):
+        return None  # not a summary this code wrote: let the normal start decide
+    if not isinstance(steps, int) or steps < total_steps:
+        return None
+    lines = [
+        f"run {run_dir} is already finished at step {steps} (trainer.total_steps={total_steps}): nothing to "
+        "do. Raise trainer.total_steps to train it further, or choose another trainer.run_name."
+    ]
+    if (Path(run_dir) / "report.json").is_file():
+        lines.append(f"its report: {Path(run_dir) / 'report.json'}")
+    return "\n".join(lines)
+
+
+def skip_if_finished(trainer: Any) -> Path | None:
+    """For `diffrl train` / `diffrl sft` before anything loads: when `trainer` (the config's
+    `trainer` section) names a run (`run_name`, `resume=auto`) that already finished
+    `total_steps`, print that and return the run directory; otherwise None (start or resume)."""
+    if trainer.run_name is None or trainer.resume != "auto":
+        return None
+    run_dir = Path(trainer.output_dir) / trainer.run_name
+    message = finished_run(run_dir, trainer.total_steps)
+    if message is None:
+        return None
+    print(message, flush=True)
+    return run_dir
 
 
 def side_by_side(images: list[Path], labels: list[str], out: Path) -> Path:
@@ -161,4 +220,12 @@ def line_plot(
     return out
 
 
-__all__ = ["line_plot", "side_by_side", "validation_metrics", "write_report"]
+__all__ = [
+    "add_accuracy",
+    "finished_run",
+    "line_plot",
+    "side_by_side",
+    "skip_if_finished",
+    "validation_metrics",
+    "write_report",
+]

@@ -21,22 +21,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from diffrl.telemetry.console import format_duration
+
 log = logging.getLogger(__name__)
 
 # JSON has no NaN or infinity: metrics.jsonl writes them as these strings (float() reads them back).
 NONFINITE_JSON = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-
-
-def format_duration(seconds: float) -> str:
-    """42s, 40m12s, 3h05m, 2d03h."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def format_value(x: float) -> str:
@@ -54,24 +44,27 @@ def format_value(x: float) -> str:
 class ConsoleSink:
     """One progress line per `log` call, and a summary line on close.
 
-        step 12/300 | reward 0.613 (+0.05) | val 0.58 | loss -0.002 | kl 1.00e-04 | grad 0.41 |
-        8.4 s/step | 0.95 img/s/gpu | mfu 31.2% | ETA 34m43s
+        step 12/300 | rewards/mean 0.613 (+0.05) | val/rewards/mean 0.58 | val/accuracy 0.31 |
+        actor/loss -0.002 | actor/kl 1.00e-04 | actor/grad_norm 0.41 | 8.4 s/step | 0.95 img/s/gpu |
+        mfu 31.2% | ETA 34m43s
 
-    Fields appear when their metric was logged (`KEY_METRICS`); the reward's bracket is its change
-    since the previous line. ETA = mean wall time per step over the last `window` step-to-step
+    Fields are named by their metric, as in metrics.jsonl and the report, and appear when it was
+    logged (`KEY_METRICS`); the reward's bracket is its change since the previous line. ETA = mean wall time per step over the last `window` step-to-step
     intervals × steps left (before the second step: the step's own `timing_s/step`). A non-finite
     metric is named at the end of the line.
     """
 
-    # (label, metric names in order of preference)
-    KEY_METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
-        ("reward", ("rewards/mean",)),
-        ("val", ("val/rewards/mean",)),
-        ("val acc", ("val/rewards/shapes/accuracy_mean",)),  # the shapes world's held-out accuracy
-        ("loss", ("actor/loss", "actor/policy_loss")),
-        ("kl", ("actor/kl",)),
-        ("grad", ("actor/grad_norm",)),
+    #: Metrics shown on each line when logged, in this order.
+    KEY_METRICS: tuple[str, ...] = (
+        "rewards/mean",
+        "val/rewards/mean",
+        "val/accuracy",  # the shapes verifier's held-out accuracy, mean over categories
+        "actor/loss",
+        "actor/kl",
+        "actor/grad_norm",
     )
+    #: Metrics whose first and last values the closing line compares.
+    SUMMARY_METRICS: tuple[str, ...] = ("rewards/mean", "val/rewards/mean", "val/accuracy")
 
     def __init__(
         self,
@@ -93,8 +86,8 @@ class ConsoleSink:
         self._last: tuple[int, float] | None = None  # (step, time of its latest line)
         self._first_step: int | None = None
         self._steps_logged: set[int] = set()
-        self._first: dict[str, float] = {}
-        self._latest: dict[str, float] = {}
+        self._first: dict[str, tuple[int, float]] = {}  # metric -> (step, value)
+        self._latest: dict[str, tuple[int, float]] = {}
         self._prev_reward: float | None = None
 
     def _print(self, line: str) -> None:
@@ -114,17 +107,16 @@ class ConsoleSink:
         if self._first_step is None:
             self._first_step = step
         self._steps_logged.add(step)
-        for key in ("rewards/mean", "val/rewards/mean"):
+        for key in self.SUMMARY_METRICS:
             if key in metrics:
-                self._first.setdefault(key, metrics[key])
-                self._latest[key] = metrics[key]
+                self._first.setdefault(key, (step, metrics[key]))
+                self._latest[key] = (step, metrics[key])
 
         parts = [f"step {step}/{self.total_steps}"]
-        for label, names in self.KEY_METRICS:
-            name = next((n for n in names if n in metrics), None)
-            if name is None:
+        for name in self.KEY_METRICS:
+            if name not in metrics:
                 continue
-            text = f"{label} {format_value(metrics[name])}"
+            text = f"{name} {format_value(metrics[name])}"
             if name == "rewards/mean":
                 if self._prev_reward is not None:
                     delta = metrics[name] - self._prev_reward
@@ -163,9 +155,11 @@ class ConsoleSink:
         parts = [f"{head}: steps {self._first_step}-{last} in {elapsed}"]
         if self._intervals:
             parts[0] += f" ({format_value(sum(self._intervals) / len(self._intervals))} s/step recently)"
-        for key, label in (("rewards/mean", "reward"), ("val/rewards/mean", "val reward")):
+        for key in self.SUMMARY_METRICS:
             if key in self._latest:
-                parts.append(f"{label} {format_value(self._first[key])} → {format_value(self._latest[key])}")
+                (s0, v0), (s1, v1) = self._first[key], self._latest[key]
+                change = f"{format_value(v0)} (step {s0}) → " if s0 != s1 else ""
+                parts.append(f"{key} {change}{format_value(v1)} (step {s1})")
         parts.append(str(self.run_dir))
         self._print(" | ".join(parts))
 

@@ -32,6 +32,7 @@ PHASES = (
     "ref",
     "update_actor",
     "update_weights",
+    "data",  # diffrl sft: waiting for the step's images
     "checkpoint",
     "validation",
 )

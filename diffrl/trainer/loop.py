@@ -21,6 +21,7 @@ from typing import Any
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.telemetry import PhaseTimer, RunLogger
+from diffrl.telemetry.console import progress
 from diffrl.trainer.validation import run_validation
 from diffrl.workers.group import WorkerGroup
 
@@ -91,7 +92,7 @@ class TrainingLoop:
                     last_val = self.validate()
                 metrics.update(last_val)
             if last_step or (cfg.save_freq and self.step % cfg.save_freq == 0):
-                with self.timer.phase("checkpoint"):
+                with self.timer.phase("checkpoint"), progress(f"checkpoint of step {self.step}"):
                     self.save()
             metrics.update(self.timer.metrics(0, 1, only=("validation", "checkpoint")))
             self.logger.log(self.step, metrics)

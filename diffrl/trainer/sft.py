@@ -192,6 +192,10 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
     """Run a supervised flow-matching job; returns its run directory (the model is in `model/`)."""
     source = source or "shapes_sft"
     cfg = load_config(source, overrides, job="sft")
+    from diffrl.telemetry.report import skip_if_finished
+
+    if (finished := skip_if_finished(cfg.trainer)) is not None:
+        return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
     with job(cfg, source) as j:
         trainer = SupervisedTrainer(

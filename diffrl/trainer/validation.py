@@ -2,7 +2,8 @@
 
 ODE samples of the validation prompts with the fixed validation seed, scored by the configured
 rewards: overall reward metrics, the reward mean and every scalar reward extra (the shapes
-verifier's `accuracy`, an OCR distance, ...) per data source, and an image grid. The same seeds at
+verifier's `accuracy`, an OCR distance, ...) per data source, `val/accuracy` (the mean over data
+sources of their accuracy, when the rewards report one), and an image grid. The same seeds at
 every call, so the grids of two validations of a run show the same prompts from the same noise.
 """
 
@@ -18,7 +19,10 @@ import torch
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
+from diffrl.rollout.types import Rollout
 from diffrl.telemetry import image_grid, save_png
+from diffrl.telemetry.console import progress
+from diffrl.telemetry.report import add_accuracy
 from diffrl.trainer.sharding import concat_rollouts, prompt_shard
 from diffrl.workers.group import WorkerGroup
 
@@ -42,20 +46,30 @@ def run_validation(
     per_worker = math.ceil(len(records) / world)
     padded = [records[i % len(records)] for i in range(per_worker * world)]
     negative = cfg.rollout.pipeline.negative_prompt
-    payloads = [
-        prompt_shard(
-            padded[rank * per_worker : (rank + 1) * per_worker],
-            [f"val:{i}" for i in range(rank * per_worker, (rank + 1) * per_worker)],
-            rank * per_worker * n,
-            negative,
-        )
-        for rank in range(world)
-    ]
-    rollout = concat_rollouts(workers.scatter("validate_and_score", payloads, rewards=rewards))
-    handles = rollout.extras.pop("reward_handles")
-    keep = len(records) * n
-    rollout = rollout.select(slice(0, keep))
-    scores = gather_rewards(handles).select(slice(0, keep))
+    # Rounds of one sampler micro-batch per worker, so the console can say how far validation is;
+    # a sample's noise depends on its index only, so the rounds sample what one call would.
+    chunk = max(1, cfg.rollout.micro_batch_size // n)
+    by_rank: list[list[Rollout]] = [[] for _ in range(world)]
+    with progress(f"validation at step {step}", total=len(records), unit="prompts") as shown:
+        for start in range(0, per_worker, chunk):
+            stop = min(start + chunk, per_worker)
+            payloads = [
+                prompt_shard(
+                    padded[rank * per_worker + start : rank * per_worker + stop],
+                    [f"val:{i}" for i in range(rank * per_worker + start, rank * per_worker + stop)],
+                    (rank * per_worker + start) * n,
+                    negative,
+                )
+                for rank in range(world)
+            ]
+            for rank, part in enumerate(workers.scatter("validate_and_score", payloads, rewards=rewards)):
+                by_rank[rank].append(part)
+            shown.update(min(len(records), stop * world))
+        rollout = concat_rollouts([part for parts in by_rank for part in parts])
+        handles = rollout.extras.pop("reward_handles")
+        keep = len(records) * n
+        rollout = rollout.select(slice(0, keep))
+        scores = gather_rewards(handles).select(slice(0, keep))
     metrics = {f"val/{key}": value for key, value in scores.metrics(rollout.sample_uids()).items()}
     sources = [m.get("data_source", "default") for m in rollout.sample_metadata()]
     scalar_extras = {key: value for key, value in scores.extras.items() if value.ndim == 1}
@@ -64,6 +78,7 @@ def run_validation(
         metrics[f"val/{source}/reward_mean"] = float(scores.total_B[mask].mean())
         for key, value in scalar_extras.items():
             metrics[f"val/{source}/{key.rsplit('/', 1)[-1]}"] = float(value[mask].float().nanmean())
+    add_accuracy(metrics)
     pixels = rollout.samples.pixels
     grid = image_grid(pixels[:GRID_IMAGES], nrow=min(8, len(pixels)))
     save_png(Path(out_dir) / "validation" / f"step_{step:06d}.png", grid)

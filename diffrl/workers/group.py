@@ -476,7 +476,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
                 f"{_RAY_CLUSTER_MODE_ENV}=0 before starting Python (or =1 to accept a cluster reachable "
                 "from the network), or start Ray yourself before calling diffrl"
             )
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        from diffrl.telemetry.console import ray_init_kwargs
+
+        # the workers' quieting environment and Ray's log level (diffrl.telemetry.console)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **ray_init_kwargs())
         return True
     if num_cpus is not None:
         raise ValueError(
@@ -485,7 +488,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         )
     _probe_address(address)
     try:
-        ray.init(address=address)
+        from diffrl.telemetry.console import ray_init_kwargs
+
+        ray.init(address=address, **ray_init_kwargs())
     except ConnectionError as err:
         raise ConnectionError(
             f"could not connect to the Ray cluster at address={address!r}: {err}. Start one with "

@@ -172,10 +172,10 @@ def test_console_line_has_step_key_values_and_eta(tmp_path, capsys):
         line = capsys.readouterr().out.strip()
         assert line.startswith("step 12/300 | ")
         for text in (
-            "reward 0.613",
-            "loss -0.002",
-            "kl 1.00e-04",
-            "grad 0.41",
+            "rewards/mean 0.613",
+            "actor/loss -0.002",
+            "actor/kl 1.00e-04",
+            "actor/grad_norm 0.41",
             "8.4 s/step",
             "7.6 img/s/gpu",
             "mfu 31.2%",
@@ -185,9 +185,23 @@ def test_console_line_has_step_key_values_and_eta(tmp_path, capsys):
         assert line.endswith(f"ETA {format_duration(8.4 * 288)}") and "40m19s" in line
         logger.log(13, {"rewards/mean": 0.663, "actor/loss": math.nan})
         line = capsys.readouterr().out.strip()
-        assert "reward 0.663 (+0.05)" in line and "loss nan" in line and "non-finite: actor/loss" in line
+        assert "rewards/mean 0.663 (+0.05)" in line and "actor/loss nan" in line
+        assert "non-finite: actor/loss" in line
     summary = capsys.readouterr().out.strip()
-    assert "run test-run done: steps 12-13" in summary and "reward 0.613 → 0.663" in summary
+    assert "run test-run done: steps 12-13" in summary
+    assert "rewards/mean 0.613 (step 12) → 0.663 (step 13)" in summary
+
+
+def test_console_validation_fields_match_the_logged_metrics(tmp_path, capsys):
+    """The console shows `val/accuracy` as logged (the report's number), and a metric seen at one
+    step only is summarised as that one value, not as a change from itself."""
+    with make_logger(tmp_path, ["console"], total_steps=2) as logger:
+        logger.log(1, {"rewards/mean": 0.5})
+        logger.log(2, {"rewards/mean": 0.6, "val/rewards/mean": 0.45, "val/accuracy": 0.3125})
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "val/rewards/mean 0.45" in line and "val/accuracy 0.3125" in line
+    summary = capsys.readouterr().out.strip()
+    assert "val/accuracy 0.3125 (step 2)" in summary and "→ 0.3125" not in summary
 
 
 def test_console_eta_is_a_moving_average_of_step_intervals():
