@@ -330,6 +330,7 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
     exit, also when starting one of them failed."""
     from diffrl.rewards.workers import create_reward_workers
+    from diffrl.telemetry.console import progress
     from diffrl.workers.group import InProcessGroup, RayGroup, ensure_ray
     from diffrl.workers.roles import HybridWorker
     from diffrl.workers.threads import plan_threads, set_threads, thread_env
@@ -341,25 +342,26 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     threads = plan_threads(world, cfg.reward.workers if use_ray else 0, ray=use_ray)
     set_threads(threads.driver)  # diffrl/workers/threads.py: every process's share of the cores
     try:
-        if use_ray:
-            # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
-            reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
-            started_ray = ensure_ray(
-                cfg.trainer.ray_address,
-                num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
-            )
-            gpus = 1.0 if torch.cuda.is_available() else 0.0
-            workers = RayGroup(
-                HybridWorker,
-                world,
-                cfg,
-                num_cpus=1.0,
-                num_gpus=gpus,
-                env_vars=thread_env(threads.worker),
-                **roles,
-            )
-        else:
-            workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
+        with progress(f"starting {world} worker(s) and loading {cfg.model.path}"):
+            if use_ray:
+                # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
+                reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
+                started_ray = ensure_ray(
+                    cfg.trainer.ray_address,
+                    num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
+                )
+                gpus = 1.0 if torch.cuda.is_available() else 0.0
+                workers = RayGroup(
+                    HybridWorker,
+                    world,
+                    cfg,
+                    num_cpus=1.0,
+                    num_gpus=gpus,
+                    env_vars=thread_env(threads.worker),
+                    **roles,
+                )
+            else:
+                workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
         if cfg.reward.functions:  # offline DPO may run without rewards (no validation then)
             rewards = create_reward_workers(cfg.reward, use_ray=use_ray, env_vars=thread_env(threads.reward))
         yield workers, rewards
@@ -434,6 +436,9 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
         fd = _lock(run_dir)
         if not created:
             checkpoint = _check_resume_target(cfg, run_dir)
+        from diffrl.telemetry.console import run_started
+
+        run_started(run_dir, checkpoint)  # the run's first line: where to look
         yield RunFolder(run_dir, run_name, checkpoint, created)
     except BaseException:
         if created and fd is not None and not (run_dir / "config.yaml").exists():
@@ -506,6 +511,10 @@ def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
 def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     """Run a training job; returns its run directory."""
     cfg = load_config(source, overrides)
+    from diffrl.telemetry.report import skip_if_finished
+
+    if (finished := skip_if_finished(cfg.trainer)) is not None:
+        return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
     with job(cfg, source) as j:
         loop_args = dict(
