@@ -1,0 +1,204 @@
+"""Fault injection: a `diffrl train` process killed with SIGKILL during the rollout, the update or a
+checkpoint save, then resumed with trainer.resume=auto, logs exactly the metrics of a run that was
+never interrupted; a dead worker ends the run with a WorkerError naming it.
+
+The runs are forked from one "zygote" process that has imported diffrl once (imports are most of
+a tiny run's time); each child is `diffrl train` (`diffrl.cli.main`) with a hook that sends
+SIGKILL to itself at the chosen point, so the kill lands at the same place every time.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from diffrl.telemetry import read_metrics
+
+ARGS = [
+    "tiny_sd3",
+    "trainer.total_steps=4",
+    "trainer.save_freq=1",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+]
+NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
+
+ZYGOTE = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import diffrl.cli, diffrl.trainer.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def hook(kill):
+        # Runs in the child: SIGKILL this process at the kill point `kill` names.
+        if kill is None:
+            return
+        what, at = kill["at"], kill.get("call", 1)
+        calls = [0]
+        if what in ("actor", "reward"):
+            return kill_worker(what)
+        if what == "rollout":  # the at-th decoded micro-batch handed to the reward workers
+            owner, name = diffrl.rewards.workers.InProcessRewardWorkers, "submit"
+        elif what == "update":  # entering the at-th optimizer step (earlier ones of the step are done)
+            owner, name = diffrl.workers.roles.HybridWorker, "optim_step"
+        elif what == "save":  # the at-th metadata file of a checkpoint save (weights already written)
+            owner, name = diffrl.train.checkpoint, "_write_durable"
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if what != "save" or str(args[0]).endswith("meta.json"):
+                calls[0] += 1
+                if calls[0] == at:
+                    die()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    def kill_worker(what):
+        # SIGKILL a worker process (actor rank 1, or the reward actor) as the first step starts.
+        import ray
+        from diffrl.trainer.policy_gradient import PolicyGradientTrainer
+
+        original = PolicyGradientTrainer.train_step
+
+        def train_step(self):
+            actor = self.workers.actors[1] if what == "actor" else self.rewards.actors[0]
+            os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60), signal.SIGKILL)
+            return original(self)
+
+        PolicyGradientTrainer.train_step = train_step
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(2, 1)  # the child's output goes to the log; stdout carries only status lines
+            os.environ.update(job.get("env", {}))
+            hook(job.get("kill"))
+            try:
+                code = diffrl.cli.main(job["argv"])
+            except BaseException as err:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    env = {**os.environ, "DIFFRL_CACHE": str(tmp_path_factory.mktemp("cache")), "OMP_NUM_THREADS": "1"}
+    log = tmp_path_factory.mktemp("zygote") / "children.log"
+    with open(log, "w") as children_output:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=children_output,
+            text=True,
+            env=env,
+        )
+
+        def run(argv, kill=None, env=None):
+            """Exit code of `diffrl <argv>` in a forked child (-9 when it was SIGKILLed)."""
+            proc.stdin.write(json.dumps({"argv": argv, "kill": kill, "env": env or {}}) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            assert line, log.read_text()[-3000:]
+            return json.loads(line)["status"]
+
+        run.log = log
+        yield run
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith(NOT_COMPARABLE) and "seconds" not in k}
+
+
+def test_kill_9_during_rollout_update_and_save_then_resume_matches_an_uninterrupted_run(zygote, tmp_path):
+    start = time.monotonic()
+    train = ["train", *ARGS, f"trainer.output_dir={tmp_path}"]
+    assert zygote([*train, "trainer.run_name=full"]) == 0, zygote.log.read_text()[-3000:]
+    killed = [*train, "trainer.run_name=killed"]
+    # 2 micro-batches and 2 optimizer steps per step (16 trajectories, mini-batches of 8)
+    assert zygote(killed, {"at": "rollout", "call": 4}) == -9  # step 2's second micro-batch
+    assert zygote(killed, {"at": "update", "call": 4}) == -9  # step 3, after its first optimizer step
+    assert zygote(killed, {"at": "save", "call": 2}) == -9  # step 4's checkpoint, weights on disk
+    run_dir = tmp_path / "killed"
+    # the interrupted save left at most its hidden temporary folder, never a step_N
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".tmp-")) == [
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+    ], "a kill mid-save left something that looks like a checkpoint"
+    assert zygote(killed) == 0, zygote.log.read_text()[-3000:]
+    expected, got = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
+    assert sorted(got) == [1, 2, 3, 4]
+    lines = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4]  # each step once, in order: nothing lost, nothing doubled
+    for step in (1, 2, 3, 4):
+        assert comparable(got[step]) == pytest.approx(comparable(expected[step]), rel=1e-6, abs=1e-9), step
+    assert time.monotonic() - start < 120
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    """PIDs of live processes whose environment carries `tag` (the run's own, Ray's included)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if tag.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    ("kill", "message"),
+    [
+        ("actor", r"worker rank 1 \(of 2\) failed in HybridWorker\.\w+: \w*Actor"),
+        ("reward", r"worker rank 0 \(of 1\) failed in RewardWorker\.score: \w*Actor"),
+    ],
+)
+def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
+    tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+    start = time.monotonic()
+    code = zygote(
+        [
+            "train",
+            *ARGS,
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=dead",
+            "trainer.n_gpus_per_node=2",
+            "actor.strategy=fsdp2",
+            "reward.workers=1",
+            "trainer.loggers=[jsonl]",
+        ],
+        kill={"at": kill},
+        env={tag: "1"},
+    )
+    elapsed = time.monotonic() - start
+    assert code == 1
+    assert re.search(message, zygote.log.read_text()), zygote.log.read_text()[-3000:]
+    assert elapsed < 120
+    deadline = time.monotonic() + 20
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _tagged_processes(tag) == [], "processes of the failed run were left behind"
