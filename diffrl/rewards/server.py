@@ -165,7 +165,7 @@ class Rejected(Exception):
     """An answer other than 200, with the limit it enforces (if any)."""
 
     def __init__(self, status: int, message: str, limit: str | None = None, value: Any = None) -> None:
-        super().__init__(message)
+        super().__init__(message if limit is None else f"{message} (limit {limit}={value})")
         self.status, self.limit, self.value = status, limit, value
 
     def body(self) -> dict[str, Any]:
@@ -237,6 +237,7 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
             length = self._check_headers()
         except Rejected as err:
             self._answer(err.status, err.body())
+            self._discard_body()
             return
         if not self.server.request_slots.acquire(blocking=False):
             limit = self.server.limits.max_concurrent_requests
@@ -249,11 +250,27 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                     limit,
                 ).body(),
             )
+            self._discard_body()
             return
         try:
             self._score(length)
         finally:
             self.server.request_slots.release()
+
+    def _discard_body(self) -> None:
+        """Read (and drop) what the client still sends, until the read deadline at most.
+
+        Closing a socket with unread input resets the connection, and a client still sending its
+        body then sees 'broken pipe' instead of the answer already written for it.
+        """
+        length = self.headers.get("Content-Length", "0")
+        left = int(length) if length.isdigit() else 0
+        try:
+            while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
+                left -= len(chunk)
+        except OSError:  # TimeoutError included: the deadline bounds this like any other read
+            pass
+        self.close_connection = True
 
     def _check_headers(self) -> int:
         """The body's length, once Content-Type and Content-Length are acceptable."""

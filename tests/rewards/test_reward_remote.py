@@ -1,8 +1,10 @@
 """The `http` reward against `diffrl serve-reward`'s server, end to end on loopback."""
 
 import argparse
+import contextlib
 import json
 import socket
+import threading
 import time
 import urllib.request
 
@@ -125,3 +127,92 @@ def test_busy_port_is_a_clear_error():
         port = int(server.url.rsplit(":", 1)[1])
         with pytest.raises(ValueError, match=rf"cannot listen on 127.0.0.1:{port}.*Pick another --port"):
             start_reward_server("jpeg_compressibility", port=port)
+
+
+@contextlib.contextmanager
+def _raw_server(behaviour):
+    """A TCP server on loopback whose every connection is handled by `behaviour(conn)` on a thread."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=_run, args=(behaviour, conn), daemon=True).start()
+
+    def _run(fn, conn):
+        with contextlib.suppress(OSError), conn:
+            conn.settimeout(10)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            fn(conn, stop)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _trickle(conn, stop):
+    """A valid answer, one byte every 0.05 s: a per-read timeout of 0.3 s would never fire."""
+    body = json.dumps({"scores": [1.0]}).encode()
+    answer = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    for byte in answer:
+        if stop.wait(0.05):
+            return
+        conn.sendall(bytes([byte]))
+
+
+def _hang(conn, stop):
+    stop.wait(30)
+
+
+def _answer_with(body: bytes):
+    def fn(conn, stop):
+        conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    return fn
+
+
+@pytest.mark.parametrize("behaviour", [_trickle, _hang], ids=["trickling", "hanging"])
+def test_slow_or_silent_server_fails_at_the_total_deadline(behaviour):
+    with _raw_server(behaviour) as url:
+        client = build_reward("http", {"url": url, "timeout": 0.3, "retries": 1, "backoff": 0.01})
+        start = time.perf_counter()
+        with pytest.raises(
+            TimeoutError, match=rf"{url}/score did not answer within timeout=0.3 s \(2 attempts\)"
+        ):
+            client(_pixels(1), ["a"], None)
+        # the trickled answer would take ~3 s per attempt; two 0.3 s attempts are all we wait
+        assert time.perf_counter() - start < 1.5
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"<html>hello</html>", r"answered HTTP 200 with a body that is not JSON"),
+        (json.dumps({"scores": [1.0, 2.0]}).encode(), r"scores of shape \(2,\); expected \(1,\)"),
+        (b'{"scores": [NaN]}', r"non-finite scores for samples \[0\]"),
+        (b'{"nothing": 1}', r"answer has no 'scores'"),
+    ],
+    ids=["not-json", "wrong-count", "nan", "no-scores"],
+)
+def test_lying_server_is_a_clear_value_error(body, message):
+    with _raw_server(_answer_with(body)) as url:
+        client = build_reward("http", {"url": url, "timeout": 5, **FAST})
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=message) as info:
+            client(_pixels(1), ["a"], None)
+        assert url in str(info.value) and time.perf_counter() - start < 2

@@ -1,0 +1,306 @@
+"""`diffrl serve-reward` against hostile or broken clients: every limit answers 4xx/503 naming itself,
+slow clients are cut off at the read deadline, and memory stays bounded under a mixed attack."""
+
+import base64
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from PIL import Image
+
+from diffrl.rewards import build_reward
+from diffrl.rewards.remote import PROTOCOL_VERSION as CLIENT_PROTOCOL
+from diffrl.rewards.remote import encode_request
+from diffrl.rewards.server import PROTOCOL_VERSION, ServerLimits, start_reward_server
+
+SMALL = ServerLimits(
+    max_connections=8,
+    max_concurrent_requests=2,
+    read_timeout=1.5,
+    max_body_bytes=4 << 20,
+    max_json_items=5_000,
+    max_images=8,
+    max_image_pixels=256 * 256,
+    max_request_pixels=4 * 256 * 256,
+    max_prompt_chars=100,
+)
+
+
+def _png(width, height, mode="L") -> str:
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def huge_png():
+    """8000x8000 zeros: ~60 KB on the wire, 192 MB once decoded to RGB (the decompression bomb)."""
+    return _png(8000, 8000)
+
+
+def _body(images, prompts=None, **extra) -> bytes:
+    prompts = prompts if prompts is not None else ["a"] * len(images)
+    return json.dumps({"version": 1, "images": images, "prompts": prompts, **extra}).encode()
+
+
+def _post(url, data: bytes, content_type="application/json", token=None, timeout=10):
+    """(status, JSON answer) of POST /score."""
+    headers = {"Content-Type": content_type}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(f"{url}/score", data=data, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _connect(url) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _half_sent(url, length=1000) -> socket.socket:
+    """Headers announcing a body that never comes."""
+    sock = _connect(url)
+    sock.sendall(
+        f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{".encode()
+    )
+    return sock
+
+
+def _read_all(sock) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_protocol_versions_agree():
+    assert PROTOCOL_VERSION == CLIENT_PROTOCOL
+
+
+def test_each_limit_is_a_4xx_naming_itself(huge_png):
+    ok = _png(16, 16, "RGB")
+    cases = [
+        ("max_body_bytes", _body([ok], ["x" * (SMALL.max_body_bytes + 1)])),
+        ("max_json_items", _body([ok], metadata=[{"k": list(range(6_000))}])),
+        ("max_images", _body([ok] * 9)),
+        ("max_image_pixels", _body([huge_png])),
+        ("max_image_pixels", _body([_png(257, 256)])),
+        ("max_request_pixels", _body([_png(256, 256)] * 5)),
+        ("max_prompt_chars", _body([ok], ["p" * 101])),
+    ]
+    with start_reward_server("jpeg_compressibility", limits=SMALL) as server:
+        for limit, data in cases:
+            status, answer = _post(server.url, data)
+            assert status == 413, (limit, answer)
+            assert answer["limit"] == limit and answer["value"] == getattr(SMALL, limit), answer
+            assert limit in answer["error"]
+        # a long prompt list for one image is refused before any decoding (prompts must match images)
+        status, answer = _post(server.url, _body([ok], ["a"] * 1000))
+        assert status == 400 and "1000 prompts" in answer["error"]
+        # exactly at the limits is fine, and scores equal the local reward
+        at_limit = [_png(256, 256, "RGB")] * 4
+        status, answer = _post(server.url, _body(at_limit))
+        assert status == 200 and len(answer["scores"]) == 4
+        status, answer = _post(server.url, _body([ok]), content_type="text/plain")
+        assert status == 415 and "application/json" in answer["error"]
+
+
+def test_token_is_required_and_compared(monkeypatch):
+    pixels, prompts = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), ["a", "b"]
+    body = json.dumps(encode_request(pixels, prompts, None)).encode()
+    with start_reward_server("jpeg_compressibility", token="s3cret-token") as server:
+        assert _post(server.url, body)[0] == 401
+        assert _post(server.url, body, token="s3cret-tokeN")[0] == 401
+        status, answer = _post(server.url, body, token="s3cret-token")
+        assert status == 200 and len(answer["scores"]) == 2
+        with pytest.raises(RuntimeError, match=r"HTTP 401.*args.token_env"):
+            build_reward("http", {"url": server.url, "retries": 0})(pixels, prompts)
+        monkeypatch.setenv("SCORER_TOKEN", "s3cret-token")
+        client = build_reward("http", {"url": server.url, "token_env": "SCORER_TOKEN"})
+        local = build_reward("jpeg_compressibility")(pixels, prompts, None)
+        torch.testing.assert_close(client(pixels, prompts).scores_B, local.scores_B)
+        assert client.health()["status"] == "ok"
+    with pytest.raises(ValueError, match=r"token_env='NOT_SET_ANYWHERE' .* not set"):
+        build_reward("http", {"url": "http://127.0.0.1:1", "token_env": "NOT_SET_ANYWHERE"})
+
+
+def test_slow_clients_are_cut_off_at_the_read_deadline():
+    with start_reward_server("jpeg_compressibility", limits=SMALL) as server:
+        # trickling: one byte every 0.1 s, which a per-read timeout would never stop
+        start = time.monotonic()
+        sock = _connect(server.url)
+        request = (
+            b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + b"X-Pad: " + b"a" * 200
+        )
+        cut = None
+        for byte in request:
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                cut = time.monotonic() - start
+                break
+            time.sleep(0.1)
+            if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) if _readable(sock) else False:
+                pass
+            if _closed(sock):
+                cut = time.monotonic() - start
+                break
+        sock.close()
+        assert cut is not None and cut < SMALL.read_timeout + 1.0, cut
+        # headers sent, body never: 408 naming read_timeout, at the deadline
+        start = time.monotonic()
+        sock = _half_sent(server.url)
+        answer = _read_all(sock).decode()
+        sock.close()
+        assert SMALL.read_timeout - 0.1 < time.monotonic() - start < SMALL.read_timeout + 1.0
+        assert " 408 " in answer.splitlines()[0] and '"limit": "read_timeout"' in answer
+
+
+def _readable(sock) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _closed(sock) -> bool:
+    """The server closed (EOF or reset) or answered."""
+    if not _readable(sock):
+        return False
+    try:
+        return sock.recv(65536, socket.MSG_DONTWAIT) is not None
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_excess_requests_and_connections_get_503_at_once():
+    with start_reward_server("jpeg_compressibility", limits=SMALL) as server:
+        holders = [_half_sent(server.url) for _ in range(SMALL.max_concurrent_requests)]
+        time.sleep(0.2)
+        start = time.monotonic()
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")]))
+        assert status == 503 and answer["limit"] == "max_concurrent_requests"
+        assert time.monotonic() - start < 0.5
+        idle = [_connect(server.url) for _ in range(SMALL.max_connections - len(holders))]
+        time.sleep(0.2)
+        sock = _connect(server.url)
+        answer = _read_all(sock).decode()
+        assert " 503 " in answer.splitlines()[0] and '"limit": "max_connections"' in answer
+        for s in [*holders, *idle, sock]:
+            s.close()
+
+
+# ------------------------------------------------------------------------------------ load test
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from diffrl.rewards.server import ServerLimits, make_reward_server
+    limits = ServerLimits(max_connections=48, max_concurrent_requests=4, read_timeout=2.0,
+                          max_body_bytes=4 << 20, max_json_items=20_000, max_images=16,
+                          max_image_pixels=512 * 512, max_request_pixels=16 * 512 * 512)
+    server = make_reward_server("jpeg_compressibility", port=0, limits=limits)
+    print(server.url, flush=True)
+    server.serve_forever(0.05)
+    """
+)
+RSS_ALLOWANCE_MB = 200  # 4 concurrent x (3 x 4 MiB body + 12 MiB pixels) = ~100 MiB, plus slack
+
+
+def _rss_mb(pid, field):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(field)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_mixed_attack_is_refused_in_time_memory_stays_bounded_and_service_continues(huge_png):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_SCRIPT],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        text=True,
+    )
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        normal = encode_request(torch.zeros(2, 3, 64, 64, dtype=torch.uint8), ["a", "b"], None)
+        assert _post(url, json.dumps(normal).encode())[0] == 200  # warm: the reward's imports are loaded
+        baseline = _rss_mb(proc.pid, "VmRSS")
+        bomb = _body([huge_png] * 8)  # the 5.4 GB request of issue 18
+        prompts = json.dumps({"version": 1, "images": [_png(8, 8)], "prompts": ["p"] * 1_000_000}).encode()
+        outcomes, lock = [], threading.Lock()
+
+        def attack(kind):
+            start = time.monotonic()
+            try:
+                if kind == "bomb":
+                    result = _post(url, bomb, timeout=15)[0]
+                elif kind == "prompts":
+                    result = _post(url, prompts, timeout=15)[0]
+                else:
+                    sock = _half_sent(url) if kind == "half" else _connect(url)
+                    sock.settimeout(15)
+                    deadline = time.monotonic() + 15
+                    data = b""
+                    while time.monotonic() < deadline:
+                        if kind == "trickle":
+                            try:
+                                sock.send(b"G")
+                            except OSError:
+                                break
+                        if _readable(sock):
+                            with contextlib.suppress(OSError):
+                                data = sock.recv(65536)
+                            break
+                        time.sleep(0.1)
+                    sock.close()
+                    result = int(data.split()[1]) if data.startswith(b"HTTP/") else "closed"
+            except (OSError, urllib.error.URLError) as err:
+                reason = getattr(err, "reason", err)
+                # refused before it finished sending: the server answered and closed, the peer saw a reset
+                cut = isinstance(reason, ConnectionResetError | BrokenPipeError)
+                result = "closed" if cut else f"error {err!r}"
+            with lock:
+                outcomes.append((kind, result, time.monotonic() - start))
+
+        kinds = ["bomb"] * 12 + ["prompts"] * 6 + ["half"] * 15 + ["trickle"] * 15
+        threads = [threading.Thread(target=attack, args=(k,)) for k in kinds]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        client = build_reward(
+            "http", {"url": url, "timeout": 10, "retries": 8, "backoff": 0.25, "max_backoff": 1}
+        )
+        scores = client(torch.zeros(2, 3, 64, 64, dtype=torch.uint8), ["a", "b"]).scores_B
+        assert scores.shape == (2,)
+        for t in threads:
+            t.join(30)
+        assert len(outcomes) == len(kinds)
+        for kind, result, seconds in outcomes:
+            assert result in (413, 400, 503, 408) or result == "closed", (kind, result)
+            assert seconds < 2.0 + 3.0, (kind, seconds)  # the read deadline plus scheduling slack
+        assert {r for k, r, _ in outcomes if k == "bomb"} <= {413, 503}
+        peak = _rss_mb(proc.pid, "VmHWM")
+        assert peak - baseline < RSS_ALLOWANCE_MB, (baseline, peak)
+        assert _post(url, json.dumps(normal).encode())[0] == 200
+    finally:
+        proc.kill()
+        proc.wait(10)
