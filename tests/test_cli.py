@@ -145,10 +145,11 @@ def test_preset_headers_without_a_valid_level_are_rejected(tmp_path):
         preset_info("b", tmp_path)
 
 
-@pytest.mark.parametrize("argv", [["--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["presets"], ["train", "--help"], ["serve-reward", "--help"]])
 def test_parsing_and_config_import_nothing_heavy(argv):
-    """`diffrl --help`, `diffrl config` and `diffrl presets` must start fast: no torch, diffusers,
-    transformers or Ray at all (importing them is most of a slow start)."""
+    """`diffrl --help` and `diffrl presets` must start fast: no torch, diffusers, transformers or Ray
+    at all (importing them is most of a slow start). `serve-reward --help` imports the reward server
+    (its own parser), so it is checked for printing that parser, not for being light."""
     code = (
         "import sys\n"
         "from diffrl.cli import main\n"
@@ -162,4 +163,7 @@ def test_parsing_and_config_import_nothing_heavy(argv):
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
     )
+    if argv[0] == "serve-reward":
+        assert "--port" in done.stdout and "reward.functions.http" in done.stdout, done.stdout
+        return
     assert "HEAVY []" in done.stderr, done.stderr[-2000:]
