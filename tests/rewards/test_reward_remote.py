@@ -13,7 +13,13 @@ import torch
 
 from diffrl.rewards import build_reward
 from diffrl.rewards.remote import decode_png, decode_request, encode_png, encode_request
-from diffrl.rewards.server import parse_key_values, register_cli, start_reward_server
+from diffrl.rewards.server import (
+    ServerLimits,
+    limits_from_args,
+    parse_key_values,
+    register_cli,
+    start_reward_server,
+)
 
 FAST = {"retries": 1, "backoff": 0.01}  # keep failing cases quick
 
@@ -118,6 +124,11 @@ def test_cli_parses_name_args_host_and_port():
     assert (ns.command, ns.name, ns.host, ns.port) == ("serve-reward", "ocr", "0.0.0.0", 9000)
     assert parse_key_values(ns.args) == {"lang": "eng", "psm": 7}
     assert callable(ns.func)
+    assert limits_from_args(ns) == ServerLimits() and ns.token_env == "DIFFRL_REWARD_TOKEN"
+    ns = parser.parse_args(["serve-reward", "ocr", "--max-images", "8", "--read-timeout", "2.5"])
+    assert limits_from_args(ns) == ServerLimits(max_images=8, read_timeout=2.5)
+    with pytest.raises(ValueError, match=r"max_images=0 is invalid"):
+        ServerLimits(max_images=0)
     with pytest.raises(ValueError, match=r"is not key=value"):
         parse_key_values(["model"])
 
@@ -216,3 +227,24 @@ def test_lying_server_is_a_clear_value_error(body, message):
         with pytest.raises(ValueError, match=message) as info:
             client(_pixels(1), ["a"], None)
         assert url in str(info.value) and time.perf_counter() - start < 2
+
+
+def test_server_module_imports_only_the_standard_library():
+    """`diffrl --help` builds this module's parser; the reward stack must load only when serving."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import diffrl.rewards.server as server
+
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('server_alone', {str(Path(server.__file__))!r})\n"
+        "module = sys.modules['server_alone'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'PIL', 'transformers', 'diffusers', 'diffrl') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
