@@ -613,9 +613,7 @@ class Config:
                 "actor.loss.mode=dpo",
             )
             rc = self.algorithm.rollout_correction
-            reuses = self.algorithm.old_log_probs == "rollout" or (
-                self.algorithm.old_log_probs == "auto" and not self.model.compile
-            )
+            reuses = self.reuses_rollout_log_probs
             _require(
                 not (reuses and (rc.is_level != "none" or rc.rejection != "none")),
                 "algorithm.rollout_correction",
@@ -666,6 +664,30 @@ class Config:
     def images_per_step(self) -> int:
         """Trajectories sampled per training step (prompts × samples per prompt)."""
         return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def reuses_rollout_log_probs(self) -> bool:
+        """Whether PPO's old log-probs are the rollout's own (`algorithm.old_log_probs`).
+
+        `auto` reuses them when the sampler computes exactly what the trainer's first forward
+        computes: colocated workers share the module; eagerly, the kernels are the same with and
+        without grad. Compiled, the sampler runs its window steps through the training graph on
+        slices of actor.micro_batch_size (`TrajectorySampler._window_velocity`), which matches only
+        when those slices are the trainer's micro-batches (every training step trains every window
+        step, and rollout micro-batches split into whole actor micro-batches); rollout correction
+        needs a second log-prob, so it recomputes then as before.
+        """
+        algo, rc = self.algorithm, self.algorithm.rollout_correction
+        if algo.old_log_probs != "auto":
+            return algo.old_log_probs == "rollout"
+        if not self.model.compile:
+            return True
+        return (
+            algo.timestep_fraction >= 1.0
+            and self.rollout.micro_batch_size % self.actor.micro_batch_size == 0
+            and rc.is_level == "none"
+            and rc.rejection == "none"
+        )
 
     @property
     def rollout_seed(self) -> int:

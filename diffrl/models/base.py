@@ -77,6 +77,10 @@ class ModelAdapter(ABC):
         self.pipe = pipe
         self.device = torch.device(device)
         self.dtype = dtype
+        self.compiled = False  # set by compile_blocks: no-grad and grad graphs then round differently
+        # actor.micro_batch_size of the engine training this module (set by TrainEngine), so that a
+        # sampler sharing the module computes its window steps as the trainer will
+        self.train_micro_batch_size: int | None = None
 
     @classmethod
     def from_pretrained(cls, path, device: torch.device, dtype: torch.dtype) -> ModelAdapter:
@@ -107,16 +111,30 @@ class ModelAdapter(ABC):
     def compile_blocks(self, **compile_kwargs) -> int:
         """Regional compilation: `torch.compile` each declared transformer block in place.
 
-        The blocks repeat, so one compiled graph serves all of them and compile time stays short
-        (the same technique as diffusers' `compile_repeated_blocks`). Returns how many were compiled.
+        The blocks repeat, so one compiled graph serves all blocks of one structure and compile
+        time stays short (the same technique as diffusers' `compile_repeated_blocks`). Returns how
+        many were compiled.
+
+        All blocks share one code object (`forward`), and dynamo keeps one cache with one
+        recompile limit per code object, while RL needs several graphs per block structure:
+        sampling (no grad), reference (adapters disabled), training (grad on, with the block input
+        requiring grad or not), each at its micro-batch size. Past torch's default limit of 8 the
+        remaining variants silently run eager (SD3.5-M has 3 structures: dual attention, single,
+        and the context-pre-only last block), so the limit is raised to the default per structure.
+        Shapes are static (`dynamic=False`): micro-batch sizes are few and fixed, and a dynamic
+        graph would differ between the sampler's and the trainer's batch sizes.
         """
         blocks = [m for m in self.transformer.modules() if type(m).__name__ in self.block_class_names]
         if not blocks:
             raise ValueError(
                 f"{type(self).__name__} declares blocks {self.block_class_names} but the transformer has none"
             )
+        structures = {_block_structure(block) for block in blocks}
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, _GRAPHS_PER_STRUCTURE * len(structures))
         for block in blocks:
-            block.compile(**compile_kwargs)
+            block.compile(**{"dynamic": False, **compile_kwargs})
+        self.compiled = True
         return len(blocks)
 
     # ------------------------------------------------------------------------------ text
@@ -244,6 +262,21 @@ class ModelAdapter(ABC):
         Count 2·(multiply-accumulates) of every matmul including attention scores and values; in
         two-stream (MMDiT) blocks each stream's weights see only that stream's tokens.
         """
+
+
+# torch's default dynamo recompile limit, granted to each distinct block structure (see compile_blocks).
+_GRAPHS_PER_STRUCTURE = 8
+
+
+def _block_structure(block: torch.nn.Module) -> tuple:
+    """What makes dynamo guard a block differently: its submodule names and its scalar attributes."""
+    scalars = sorted(
+        (name, key, repr(value))
+        for name, m in block.named_modules()
+        for key, value in vars(m).items()
+        if isinstance(value, bool | int | float | str)
+    )
+    return type(block).__name__, tuple(scalars)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

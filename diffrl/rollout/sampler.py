@@ -33,7 +33,13 @@ OnDecoded = Callable[[Trajectories], None]
 class TrajectorySampler:
     """Samples training and validation rollouts from a model adapter with `rollout.*` settings."""
 
-    def __init__(self, adapter: ModelAdapter, cfg: RolloutConfig, *, progress: bool = True):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        cfg: RolloutConfig,
+        *,
+        progress: bool = True,
+    ):
         self.adapter = adapter
         self.cfg = cfg
         self.progress = progress
@@ -90,6 +96,7 @@ class TrajectorySampler:
             on_decoded=on_decoded,
             sample_offset=sample_offset,
             same_group_noise=self.cfg.same_group_noise,
+            as_trained=True,
         )
 
     def sample_validation(
@@ -123,6 +130,7 @@ class TrajectorySampler:
             on_decoded=None,
             sample_offset=sample_offset,
             same_group_noise=False,  # validation samples of a prompt stay independent
+            as_trained=False,  # nothing re-evaluates validation log-probs
         )
 
     # ------------------------------------------------------------------------------ internals
@@ -159,6 +167,7 @@ class TrajectorySampler:
         on_decoded: OnDecoded | None,
         sample_offset: int,
         same_group_noise: bool,
+        as_trained: bool,
     ) -> Rollout:
         prompts = list(prompts)
         if not prompts:
@@ -206,10 +215,11 @@ class TrajectorySampler:
                 x = adapter.init_noise(init_gens, **size)
                 kept, log_probs, means, stds = [x], [], [], []
                 for k in range(num_steps):
-                    v = adapter.velocity(
+                    in_window = k0 <= k < k0 + w
+                    call = self._window_velocity if in_window and as_trained else adapter.velocity
+                    v = call(
                         x, timesteps[k].expand(x.shape[0]), cond, guidance, **size, true_cfg_scale=true_cfg
                     )
-                    in_window = k0 <= k < k0 + w
                     out = sde.step(
                         sde_type if in_window else "ode",
                         x,
@@ -265,6 +275,32 @@ class TrajectorySampler:
                 **size,
             ),
         )
+
+    def _window_velocity(
+        self, latents: torch.Tensor, timestep_B: torch.Tensor, cond: PromptEmbeds, *args, **kw
+    ):
+        """The velocity of an SDE window step, computed as the trainer will recompute it.
+
+        Eager kernels are the same with and without grad, so the plain no-grad call reproduces the
+        trainer's forward. Compiled blocks are not: the training graph (grad on, trainable LoRA
+        weights) is partitioned for the backward and fuses, and so rounds, differently from the
+        no-grad graph, and a graph is specialised to its batch size. So under compilation the
+        window steps run the training graph on slices of the trainer's micro-batch size, then drop
+        the autograd graph: the log-probs stored in the rollout are bit-identical to the trainer's
+        re-evaluation before its first update, and the trainer reuses them instead of a recompute
+        pass (a forward per window step and sample).
+        """
+        micro = self.adapter.train_micro_batch_size  # set when a TrainEngine trains this module
+        trains = any(p.requires_grad for p in self.adapter.transformer.parameters())
+        if not (self.adapter.compiled and micro and trains):
+            return self.adapter.velocity(latents, timestep_B, cond, *args, **kw)
+        parts = []
+        with torch.enable_grad():
+            for s in range(0, latents.shape[0], micro):
+                rows = slice(s, s + micro)
+                v = self.adapter.velocity(latents[rows], timestep_B[rows], cond[rows], *args, **kw)
+                parts.append(v.detach())
+        return torch.cat(parts)
 
     def _progress_bar(self) -> Progress:
         return Progress(

@@ -131,6 +131,9 @@ class TrainEngine:
                 param_dtype=adapter.dtype,
                 cpu_offload=actor_cfg.param_offload,
             )
+        # A sampler sharing this module computes its SDE window steps on slices of this size, as
+        # the trainer re-evaluates them (TrajectorySampler._window_velocity).
+        adapter.train_micro_batch_size = actor_cfg.micro_batch_size
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters: check model.lora.target_modules")

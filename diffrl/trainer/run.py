@@ -301,14 +301,8 @@ def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
 
 
 def reuse_rollout_log_probs(cfg: Config) -> bool:
-    """Whether PPO's old log-probs can be the rollout's own (see `algorithm.old_log_probs`).
-
-    The workers are colocated (the sampler is the trained module), so in `auto` the only thing that
-    changes the math between sampling and training is compilation: no-grad and training graphs are
-    compiled separately and round differently.
-    """
-    mode = cfg.algorithm.old_log_probs
-    return mode == "rollout" or (mode == "auto" and not cfg.model.compile)
+    """Whether PPO's old log-probs can be the rollout's own (`Config.reuses_rollout_log_probs`)."""
+    return cfg.reuses_rollout_log_probs
 
 
 def worker_options(cfg: Config) -> dict[str, Any]:

@@ -251,3 +251,65 @@ def test_rollout_correction_weights_scale_each_samples_term(tiny_model):
     engine.forward_backward([half])
     for a, b in zip(_grads(engine), expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
+
+
+def _rollout_with_random_lora(tiny_model, *, rollout_micro: int, actor_micro: int, compile_backend=None):
+    """A rollout sampled by the module an engine trains (LoRA made non-zero so it matters)."""
+    engine, sampler = make(tiny_model, micro=actor_micro)
+    perturb_lora(engine)
+    if compile_backend is not None:
+        engine.adapter.compile_blocks(backend=compile_backend)
+    sampler.cfg.micro_batch_size = rollout_micro
+    rollout = sampler.sample(PROMPTS, seed=0, step=0)
+    return engine, rollout
+
+
+def _trainer_log_probs(engine, rollout, micro):
+    """The trainer's first forward (grad on, its own micro-batches), as `_step_loss` computes it."""
+    from diffrl.rollout.sampler import evaluate_step
+
+    rows = []
+    for s in range(0, len(rollout), micro):
+        mb = rollout.select(slice(s, s + micro))
+        rows.append(torch.stack([evaluate_step(engine.adapter, mb, j).log_prob_B for j in range(2)], 1))
+    return torch.cat(rows).detach()
+
+
+def test_eager_sampled_log_probs_equal_the_trainers_first_forward(tiny_model):
+    engine, rollout = _rollout_with_random_lora(tiny_model, rollout_micro=4, actor_micro=4)
+    trained = _trainer_log_probs(engine, rollout, 4)
+    assert torch.equal(trained, rollout.samples.log_probs_BW)  # eager: same kernels with and without grad
+
+
+def test_compiled_sampler_runs_window_steps_through_the_training_graph_in_actor_micro_batches(tiny_model):
+    # aot_eager traces the joint (training) graph like inductor does, without a C++ toolchain; the
+    # rollout micro-batch (8) is twice the actor's (4): the sampler slices its window steps to 4
+    engine, rollout = _rollout_with_random_lora(
+        tiny_model, rollout_micro=8, actor_micro=4, compile_backend="aot_eager"
+    )
+    calls = []
+    velocity = engine.adapter.velocity
+
+    def spy(latents, *args, **kwargs):
+        calls.append((latents.shape[0], torch.is_grad_enabled()))
+        return velocity(latents, *args, **kwargs)
+
+    engine.adapter.velocity = spy
+    sampler = TrajectorySampler(engine.adapter, rollout_cfg_with_micro(8), progress=False)
+    again = sampler.sample(PROMPTS, seed=0, step=0)
+    del engine.adapter.velocity
+    _, w = sampler.window(0, 0)
+    assert sorted(calls) == sorted([(8, False)] * (4 - w) + [(4, True)] * (2 * w))  # 4 steps, 8 samples
+    assert torch.equal(again.samples.log_probs_BW, rollout.samples.log_probs_BW)
+    assert torch.equal(_trainer_log_probs(engine, rollout, 4), rollout.samples.log_probs_BW)
+
+
+def rollout_cfg_with_micro(micro):
+    return RolloutConfig(
+        n=4,
+        micro_batch_size=micro,
+        pipeline=PipelineConfig(
+            height=32, width=32, num_inference_steps=4, guidance_scale=4.5, max_sequence_length=8
+        ),
+        sde=SdeConfig(noise_level=0.8, window_size=2, window_range=[0, 3]),
+    )
