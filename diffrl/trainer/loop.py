@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,13 @@ class TrainingLoop:
         if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
             last_val = self.validate()
             self.logger.log(0, last_val)
+        first_step = self.step + 1
         while self.step < cfg.total_steps:
             self.step += 1
-            metrics = self.train_step()
+            # torch.compile traces the training graph in a process's first step: minutes on a large model
+            compiling = self.cfg.model.compile and self.step == first_step
+            with progress(f"step {self.step} (torch.compile warm-up)") if compiling else nullcontext():
+                metrics = self.train_step()
             self.check_finite(metrics)
             last_step = self.step == cfg.total_steps
             if cfg.test_freq and self.val_records and (self.step % cfg.test_freq == 0 or last_step):
