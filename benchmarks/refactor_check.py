@@ -30,18 +30,30 @@ def fixed_runs() -> dict[str, list[str]]:
     """Run name -> the `diffrl` arguments (without output_dir / run_name, which are added)."""
     from diffrl.config import preset_names
 
-    runs: dict[str, list[str]] = {"default_6_steps": ["train", "default", "trainer.total_steps=6"]}
+    # Validation runs once, at the last step: it is the slowest part of a short CPU run.
+    once = ["trainer.val_before_train=false"]
+    runs: dict[str, list[str]] = {
+        "default_6_steps": ["train", "default", "trainer.total_steps=6", "trainer.test_freq=6", *once]
+    }
     for name in preset_names():
         if not name.startswith("shapes_"):
             continue
         command = "sft" if name.endswith("_sft") else "train"
-        runs[name] = [command, name, "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2"]
+        runs[name] = [
+            command,
+            name,
+            "trainer.total_steps=2",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+            *once,
+        ]
     runs["tiny_sd3_fsdp2_2_workers"] = [
         "train",
         "tiny_sd3",
         "trainer.total_steps=2",
         "trainer.n_gpus_per_node=2",
         "actor.strategy=fsdp2",
+        *once,
     ]
     return runs
 
