@@ -8,8 +8,9 @@ in `cols = min(nrow, B)` columns and `ceil(B / cols)` rows, row-major; tile i's 
 
 The gaps and the border are `pad_value`; each caption is a white strip of `caption_h` pixels under
 its tile (0 without captions), black text, wrapped to the tile width (at most `caption_lines`
-lines, the last one cut with "…"). A video tile is its first frame (`frames="first"`) or up to
-`max_frames` evenly spaced frames side by side (`frames="strip"`, tile_w = frames · W).
+lines, the last one cut with "…"). `scale` enlarges every tile by pixel repetition first. A
+video tile is its first frame (`frames="first"`) or up to `max_frames` evenly spaced frames side
+by side (`frames="strip"`, tile_w = frames · W).
 """
 
 from __future__ import annotations
@@ -84,7 +85,15 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
 
 
 def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:
-    """Greedy word wrap to `width` pixels, at most `max_lines` lines (the last cut with '…')."""
+    """Greedy word wrap to `width` pixels, at most `max_lines` lines (the last cut with '…'); a
+    newline in `text` starts a new line."""
+    if "\n" in text:
+        lines = []
+        for part in text.split("\n"):
+            lines.extend(_wrap(part, font, width, max_lines - len(lines)) or [""])
+            if len(lines) >= max_lines:
+                break
+        return lines[:max_lines]
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     fits = lambda s: measure.textlength(s, font=font) <= width  # noqa: E731
     lines: list[str] = []
@@ -127,13 +136,21 @@ def image_grid(
     max_frames: int = 8,
     caption_lines: int = 2,
     font_size: int = 12,
+    scale: int = 1,
 ) -> np.ndarray:
     """One (H, W, 3) uint8 RGB image of B samples, `nrow` per row (layout in the module docstring).
 
     pixels: uint8 images (B, C, H, W) or videos (B, T, C, H, W), C in {1, 3, 4}, tensor or array.
     captions: one string per sample (e.g. prompt and reward), drawn under its tile; None = none.
+    scale: each tile enlarged `scale` times by pixel repetition (nearest neighbour: no smoothing
+    that would hide what a verifier saw), so that small images (32² toy samples) leave room for
+    a readable caption; the layout's tile_h, tile_w are the enlarged sizes.
     """
+    if scale < 1:
+        raise ValueError(f"scale must be an integer >= 1, got {scale}")
     tiles_BHWC = _tiles_BHWC(pixels, frames, max_frames)
+    if scale > 1:
+        tiles_BHWC = tiles_BHWC.repeat(scale, axis=1).repeat(scale, axis=2)
     count, tile_h, tile_w, _ = tiles_BHWC.shape
     if count == 0:
         raise ValueError("image_grid needs at least one image (B = 0)")

@@ -3,11 +3,15 @@
 `write_report(run_dir)` reads the run's own files (metrics.jsonl and the validation grids), so it
 works for any finished or interrupted run, and writes:
 
-- `report.json`: the first and last validation's metrics side by side (every `val/...` key);
-- `reward_curve.png`: the training reward mean per step, with the validation reward (and the
-  shapes verifier's held-out accuracy, when logged) as points;
+- `report.json`: the first and last validation's metrics side by side (every `val/...` key) and,
+  when validation recorded per-sample verdicts (`validation/step_XXXXXX.jsonl`, the shapes
+  verifier's), the accuracy per category before and after with standard errors (`category_table`);
+- `reward_curve.png`: the training reward per step, raw and smoothed (a trailing mean), with the
+  validation reward, `val/accuracy` and each category's held-out accuracy at the validation steps;
 - `before_after.png`: the first and the last validation grid side by side; validation uses fixed
-  seeds, so each tile pair is the same prompt from the same noise, before and after training;
+  seeds, so each tile pair is the same prompt from the same noise, before and after training. Each
+  grid (`validation_grid`) has one row per category, each tile captioned with its prompt and,
+  under it, the verifier's verdict (pass / fail);
 
 and returns a few lines of text for the console. The curve is drawn with Pillow (a line plot
 needs no plotting library).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,15 @@ from PIL import Image, ImageDraw, ImageFont
 from diffrl.telemetry.sinks import format_value, read_metrics
 
 TRAIN_REWARD = "rewards/mean"
+#: Line colours of the per-category held-out accuracies in reward_curve.png.
+CATEGORY_COLORS = (
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+)
 VAL_REWARD = "val/rewards/mean"
 #: Validation metrics shown in the console summary when present, in this order.
 HEADLINE = ("val/rewards/mean", "val/accuracy")
@@ -54,6 +68,149 @@ def validation_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 def _change(before: float, after: float, same: bool) -> str:
     return f"{after:.2f}" if same else f"{before:.2f}→{after:.2f}"
+
+
+# ------------------------------------------------------------------------------ validation samples
+#: Tiles per row of a validation grid: one row per data source (category), its first samples.
+GRID_COLUMNS = 8
+#: Tiles smaller than this (pixels) are enlarged by an integer factor so their captions fit.
+GRID_MIN_TILE = 96
+
+
+def validation_samples(
+    prompts: Sequence[str], sources: Sequence[str], total_B: Any, extras: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """One row per validation sample: its index, prompt, data source, total reward and, when a
+    reward reports a per-sample `accuracy` extra (the shapes verifier), `correct`: its verdict."""
+    accuracy = next((v for k, v in extras.items() if k.endswith("/accuracy") and v.ndim == 1), None)
+    rows = []
+    for i, (prompt, source) in enumerate(zip(prompts, sources, strict=True)):
+        row: dict[str, Any] = {"index": i, "prompt": prompt, "data_source": source}
+        row["reward"] = float(total_B[i])
+        if accuracy is not None and math.isfinite(float(accuracy[i])):
+            row["correct"] = bool(float(accuracy[i]) >= 0.5)
+        rows.append(row)
+    return rows
+
+
+def sample_caption(row: Mapping[str, Any]) -> str:
+    """The prompt, and under it the verdict (`pass` / `fail`), or the reward without a verdict."""
+    if "correct" in row:
+        return f"{row['prompt']}\n{'pass' if row['correct'] else 'fail'}"
+    return f"{row['prompt']}\nreward {row['reward']:.2f}"
+
+
+def grid_layout(rows: Sequence[Mapping[str, Any]], columns: int = GRID_COLUMNS) -> list[int | None]:
+    """Which sample fills each tile: one grid row per data source (in order of appearance), its
+    first `columns` samples, distinct prompts before repeats; None = a blank tile."""
+    seen: dict[str, int] = {}
+    by_source: dict[str, list[tuple[int, int]]] = {}
+    for row in rows:
+        repeat = seen.get(row["prompt"], 0)
+        seen[row["prompt"]] = repeat + 1
+        by_source.setdefault(row["data_source"], []).append((repeat, row["index"]))
+    if len(by_source) == 1:
+        return [index for _, index in by_source.popitem()[1]][: columns * columns]
+    layout: list[int | None] = []
+    for samples in by_source.values():
+        picked = [index for _, index in sorted(samples)[:columns]]
+        layout.extend(picked + [None] * (columns - len(picked)))
+    return layout
+
+
+def validation_grid(pixels: Any, rows: Sequence[Mapping[str, Any]], samples_path: Path | None = None):
+    """The captioned grid of a validation (`grid_layout`, each tile with `sample_caption`); writes
+    `rows` to `samples_path` (JSON lines) first when given, for the report's per-category table."""
+    import numpy as np
+    import torch
+
+    from diffrl.telemetry.images import image_grid
+
+    if samples_path is not None:
+        samples_path.parent.mkdir(parents=True, exist_ok=True)
+        samples_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    images = pixels.detach().cpu().numpy() if isinstance(pixels, torch.Tensor) else np.asarray(pixels)
+    layout = grid_layout(rows)
+    blank = np.full_like(images[0], 255)
+    tiles = np.stack([images[i] if i is not None else blank for i in layout])
+    captions = [sample_caption(rows[i]) if i is not None else "" for i in layout]
+    scale = max(1, -(-GRID_MIN_TILE // max(images.shape[-2:])))
+    return image_grid(
+        tiles,
+        nrow=GRID_COLUMNS,
+        captions=captions,
+        scale=scale,
+        caption_lines=4,
+        font_size=11,
+        pad_value=160,
+    )
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def category_table(before: Sequence[Mapping], after: Sequence[Mapping]) -> dict[str, Any]:
+    """Verifier accuracy per data source before and after, from two validations' sample rows
+    (`validation_samples`, the same samples in the same order), with standard errors.
+
+    Per source: n samples, accuracy p before/after, se = sqrt(p(1-p)/n) of the after value, and the
+    change with its paired standard error sqrt(var(after_i - before_i) / n) (the same noise seeds
+    before and after, so most samples keep their verdict and the change is measured more precisely
+    than either value). `mean`: the same over sources weighted equally (`val/accuracy`), its se
+    sqrt(Σ se²) / sources."""
+    import numpy as np
+
+    if len(before) != len(after) or any("correct" not in r for r in (*before, *after)):
+        return {}
+    sources: dict[str, list[int]] = {}
+    for i, row in enumerate(after):
+        sources.setdefault(row["data_source"], []).append(i)
+    table: dict[str, Any] = {}
+    for source, index in sorted(sources.items()):
+        b = np.array([before[i]["correct"] for i in index], dtype=float)
+        a = np.array([after[i]["correct"] for i in index], dtype=float)
+        n = len(index)
+        change = a - b
+        table[source] = {
+            "n": n,
+            "before": float(b.mean()),
+            "after": float(a.mean()),
+            "se": float(np.sqrt(a.mean() * (1 - a.mean()) / n)),
+            "change": float(change.mean()),
+            "change_se": float(np.sqrt(change.var(ddof=1) / n)) if n > 1 else math.nan,
+        }
+    count = len(table)
+    mean = {key: sum(entry[key] for entry in table.values()) / count for key in ("before", "after", "change")}
+    mean["se"] = math.sqrt(sum(e["se"] ** 2 for e in table.values())) / count
+    mean["change_se"] = math.sqrt(sum(e["change_se"] ** 2 for e in table.values())) / count
+    mean["n"] = sum(e["n"] for e in table.values())
+    return {"per_category": table, "mean": mean}
+
+
+def format_table(table: Mapping[str, Any], first: int, last: int) -> list[str]:
+    """The console lines of `category_table`."""
+    lines = [
+        f"held-out accuracy per category (verifier; step {first} → step {last}; ± standard error):",
+        f"  {'category':<20}{'n':>5}{'before':>9}{'after':>9}{'change':>17}",
+    ]
+    rows = [*table["per_category"].items(), ("mean (val/accuracy)", table["mean"])]
+    for name, e in rows:
+        lines.append(
+            f"  {name:<20}{e['n']:>5}{e['before']:>9.3f}{e['after']:>9.3f}"
+            f"{e['change']:>+10.3f} ± {e['change_se']:.3f}"
+        )
+    return lines
+
+
+def smooth(curve: Mapping[int, float], window: int) -> dict[int, float]:
+    """Trailing mean over the last `window` steps (fewer at the start)."""
+    steps = sorted(curve)
+    return {
+        s: sum(curve[t] for t in steps[max(0, i + 1 - window) : i + 1])
+        / len(steps[max(0, i + 1 - window) : i + 1])
+        for i, s in enumerate(steps)
+    }
 
 
 def write_report(run_dir: str | Path) -> str:
@@ -91,17 +248,29 @@ def write_report(run_dir: str | Path) -> str:
                     for k in sources
                 )
             )
+        samples = [run_dir / "validation" / f"step_{s:06d}.jsonl" for s in (first, last)]
+        if first != last and all(path.is_file() for path in samples):
+            table = category_table(read_samples(samples[0]), read_samples(samples[1]))
+            if table:
+                report.update(table)
+                lines.extend(format_table(table, first, last))
         grids = [run_dir / "validation" / f"step_{s:06d}.png" for s in (first, last)]
         if first != last and all(g.is_file() for g in grids):
             side_by_side(grids, [f"step {first}", f"step {last}"], run_dir / "before_after.png")
             lines.append(f"before/after samples: {run_dir / 'before_after.png'}")
     curve = {s: m[TRAIN_REWARD] for s, m in steps.items() if TRAIN_REWARD in m}
     if curve or validations:
-        series = [(TRAIN_REWARD, curve, (31, 119, 180))]
-        series.append((VAL_REWARD, {s: v[VAL_REWARD] for s, v in validations.items()}, (214, 39, 40)))
+        window = max(1, round(len(curve) / 8))
+        series = [(TRAIN_REWARD, curve, (174, 199, 232), 1)]
+        series.append((f"{TRAIN_REWARD}, mean of {window} steps", smooth(curve, window), (31, 119, 180), 3))
+        series.append((VAL_REWARD, {s: v[VAL_REWARD] for s, v in validations.items()}, (214, 39, 40), 2))
         if any("val/accuracy" in v for v in validations.values()):
             accuracy = {s: v["val/accuracy"] for s, v in validations.items() if "val/accuracy" in v}
-            series.append(("val/accuracy", accuracy, (44, 160, 44)))
+            series.append(("val/accuracy", accuracy, (44, 160, 44), 3))
+        sources = sorted({k for v in validations.values() for k in v if _is_source_accuracy(k)})
+        for key, color in zip(sources, CATEGORY_COLORS, strict=False):
+            values = {s: v[key] for s, v in validations.items() if key in v}
+            series.append((key, values, color, 1))
         line_plot(series, run_dir / "reward_curve.png", title=run_dir.name)
         lines.append(f"reward curve: {run_dir / 'reward_curve.png'}")
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -165,19 +334,23 @@ def side_by_side(images: list[Path], labels: list[str], out: Path) -> Path:
 
 
 def line_plot(
-    series: list[tuple[str, dict[int, float], tuple[int, int, int]]],
+    series: Sequence[tuple],
     out: Path,
     *,
     title: str = "",
-    size: tuple[int, int] = (640, 400),
+    size: tuple[int, int] = (800, 420),
 ) -> Path:
-    """A line plot of `(label, {step: value}, rgb)` series sharing one x (step) and one y axis."""
+    """A line plot of `(label, {step: value}, rgb[, line width])` series sharing one x (step) and
+    one y axis; the legend is a column right of the plot."""
+    series = [(*entry, 2) if len(entry) == 3 else tuple(entry) for entry in series]
     width, height = size
-    left, right, top, bottom = 60, 20, 30, 50
-    points = [(s, v) for _, data, _ in series for s, v in data.items() if math.isfinite(v)]
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    legend_w = max((measure.textlength(entry[0], font=font) for entry in series), default=0)
+    left, right, top, bottom = 60, int(legend_w) + 40, 30, 50
+    points = [(s, v) for _, data, _, _ in series for s, v in data.items() if math.isfinite(v)]
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
     draw.text((left, 8), title, fill="black", font=font)
     if not points:
         image.save(out)
@@ -206,15 +379,16 @@ def line_plot(
         draw.line([x, height - bottom, x, height - bottom + 4], fill="black")
         draw.text((x - 10, height - bottom + 6), f"{step:.0f}", fill="black", font=font)
     draw.text((width // 2 - 10, height - 18), "step", fill="black", font=font)
-    legend_x = left + 8
-    for label, data, color in series:
+    legend_x, legend_y = width - right + 12, top
+    for label, data, color, line_width in series:
         coords = [xy(s, v) for s, v in sorted(data.items()) if math.isfinite(v)]
         if len(coords) > 1:
-            draw.line(coords, fill=color, width=2)
+            draw.line(coords, fill=color, width=line_width)
         for cx, cy in coords if len(coords) < 40 else []:
             draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=color)
-        draw.text((legend_x, top + 4), label, fill=color, font=font)
-        legend_x += 8 * len(label) + 16
+        draw.line([legend_x - 10, legend_y + 6, legend_x - 2, legend_y + 6], fill=color, width=line_width)
+        draw.text((legend_x, legend_y), label, fill=color, font=font)
+        legend_y += 14
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
     return out
@@ -222,10 +396,17 @@ def line_plot(
 
 __all__ = [
     "add_accuracy",
+    "category_table",
     "finished_run",
+    "format_table",
+    "grid_layout",
     "line_plot",
+    "sample_caption",
     "side_by_side",
     "skip_if_finished",
+    "smooth",
+    "validation_grid",
     "validation_metrics",
+    "validation_samples",
     "write_report",
 ]

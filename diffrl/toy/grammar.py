@@ -308,10 +308,37 @@ def prompt_rows(split: str) -> list[dict[str, Any]]:
     return [{"prompt": s.to_prompt(), "data_source": s.category, "scene": s.to_dict()} for s in scenes(split)]
 
 
-def write_prompt_file(path: str | Path, split: str) -> Path:
-    """Write the split's .jsonl prompt file (what diffrl ships as builtin:shapes_<split>.jsonl)."""
+#: Rows per category of the balanced held-out file (builtin:shapes_heldout_balanced.jsonl).
+BALANCED_ROWS = 16
+
+
+def balanced_rows(split: str, per_category: int = BALANCED_ROWS) -> list[dict[str, Any]]:
+    """`per_category` rows of every category of the split, for a validation whose mean over
+    categories has the same precision in each: with one sample per row, `val/accuracy`'s standard
+    error is at most 0.5 / sqrt(per_category × 6). A category with fewer scenes repeats them (each
+    row is sampled from its own noise); one with more takes `per_category` spread evenly over its
+    scenes in `scenes(split)` order."""
+    if per_category < 1:
+        raise ValueError(
+            f"per_category={per_category}: a balanced prompt file needs at least 1 row per category"
+        )
+    rows = []
+    for category in CATEGORIES:
+        members = [row for row in prompt_rows(split) if row["data_source"] == category]
+        count = len(members)
+        picks = [
+            j * count // per_category if per_category <= count else j % count for j in range(per_category)
+        ]
+        rows.extend(members[i] for i in picks)
+    return rows
+
+
+def write_prompt_file(path: str | Path, split: str, *, balanced: bool = False) -> Path:
+    """Write the split's .jsonl prompt file (what diffrl ships as builtin:shapes_<split>.jsonl), or
+    with `balanced` its `balanced_rows` (builtin:shapes_<split>_balanced.jsonl)."""
     path = Path(path)
-    path.write_text("".join(json.dumps(row) + "\n" for row in prompt_rows(split)), encoding="utf-8")
+    rows = balanced_rows(split) if balanced else prompt_rows(split)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
 
 
@@ -352,11 +379,13 @@ def parse_prompt(text: str) -> Scene:
     )
 
 
-def builtin_path(split: str) -> Path:
-    """Where the built-in prompt file of `split` lives in the package."""
-    return Path(__file__).resolve().parent.parent / "config" / "presets" / "data" / f"shapes_{split}.jsonl"
+def builtin_path(split: str, *, balanced: bool = False) -> Path:
+    """Where the built-in prompt file of `split` (or its balanced version) lives in the package."""
+    name = f"shapes_{split}_balanced.jsonl" if balanced else f"shapes_{split}.jsonl"
+    return Path(__file__).resolve().parent.parent / "config" / "presets" / "data" / name
 
 
 if __name__ == "__main__":  # regenerate the built-in prompt files
     for _split in SPLITS:
         print(write_prompt_file(builtin_path(_split), _split))
+    print(write_prompt_file(builtin_path("heldout", balanced=True), "heldout", balanced=True))

@@ -20,13 +20,11 @@ from diffrl.config.schema import Config
 from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.rollout.types import Rollout
-from diffrl.telemetry import image_grid, save_png
+from diffrl.telemetry import save_png
 from diffrl.telemetry.console import progress
-from diffrl.telemetry.report import add_accuracy
+from diffrl.telemetry.report import add_accuracy, validation_grid, validation_samples
 from diffrl.trainer.sharding import concat_rollouts, prompt_shard
 from diffrl.workers.group import WorkerGroup
-
-GRID_IMAGES = 64
 
 
 def run_validation(
@@ -80,7 +78,8 @@ def run_validation(
             metrics[f"val/{source}/{key.rsplit('/', 1)[-1]}"] = float(value[mask].float().nanmean())
     add_accuracy(metrics)
     pixels = rollout.samples.pixels
-    grid = image_grid(pixels[:GRID_IMAGES], nrow=min(8, len(pixels)))
+    rows = validation_samples(rollout.sample_prompts(), sources, scores.total_B, scalar_extras)
+    grid = validation_grid(pixels, rows, Path(out_dir) / "validation" / f"step_{step:06d}.jsonl")
     save_png(Path(out_dir) / "validation" / f"step_{step:06d}.png", grid)
     if logger is not None:
         logger.log_images(step, "val/samples", grid)

@@ -86,3 +86,20 @@ def test_save_png_round_trip(tmp_path):
     path = save_png(tmp_path / "validation" / "step_000010.png", image)
     np.testing.assert_array_equal(np.asarray(Image.open(path)), image)
     assert [p.name for p in path.parent.iterdir()] == ["step_000010.png"]  # no temp file left
+
+
+def test_scale_repeats_pixels_and_a_newline_starts_a_caption_line():
+    images = np.arange(2 * 3 * 4 * 4, dtype=np.uint8).reshape(2, 3, 4, 4)
+    grid = image_grid(images, nrow=2, scale=3, padding=1)
+    tile = images[1].transpose(1, 2, 0)
+    expected = np.kron(tile, np.ones((3, 3, 1), dtype=np.uint8))  # every pixel a 3×3 block
+    np.testing.assert_array_equal(grid[1:13, 14:26], expected)
+    one = image_grid(images[:1], captions=["pass"], scale=8, caption_lines=2)
+    two = image_grid(images[:1], captions=["x\npass"], scale=8, caption_lines=2)
+    assert one.shape == two.shape
+    strip = 2 + 32  # caption strip starts under the 32-pixel tile
+    line2 = slice(strip + (two.shape[0] - strip - 2) // 2, two.shape[0] - 2)
+    inside = slice(2, 2 + 32)  # the strip's columns, without the black border
+    assert (two[line2, inside] < 128).any() and not (one[line2, inside] < 128).any()  # "pass" on line 2
+    with pytest.raises(ValueError, match="scale"):
+        image_grid(images, scale=0)

@@ -45,8 +45,8 @@ def test_report_compares_first_and_last_validation_and_draws_both_pictures(tmp_p
     # Before (black) on the left, after (white) on the right, same size.
     assert pair.shape[1] > 60 and pair[30, 15].max() == 0 and pair[30, -20].min() == 255
     curve = np.asarray(Image.open(tmp_path / "reward_curve.png").convert("RGB"))
-    assert curve.shape == (400, 640, 3)
-    assert ((curve == (31, 119, 180)).all(axis=-1)).sum() > 50  # the train-reward line is drawn
+    assert curve.shape == (420, 800, 3)
+    assert ((curve == (31, 119, 180)).all(axis=-1)).sum() > 50  # the smoothed train-reward line
 
 
 def test_a_single_validation_is_reported_once_not_as_a_change(tmp_path):
@@ -74,3 +74,104 @@ def test_finished_run_is_recognised_from_its_summary(tmp_path):
     assert finished_run(tmp_path, 11) is None  # more steps asked for: the run continues
     (tmp_path / "summary.json").write_text("{not json")
     assert finished_run(tmp_path, 10) is None
+
+
+# ------------------------------------------------------------------ captions and the category table
+def _shapes_validation(seed: int, wrong: set[int]):
+    """A small validation of the shapes world scored by the real `shapes` reward: rendered images,
+    the ones in `wrong` drawn from a corrupted scene; returns prompts, sources, pixels, scores and
+    the verifier's own verdicts."""
+    import torch
+
+    from diffrl.rewards.multi import MultiReward
+    from diffrl.toy.grammar import parse_prompt
+    from diffrl.toy.render import corrupt, render
+    from diffrl.toy.verify import verify
+
+    prompts = ["a square", "a square", "three circles", "three circles", "a blue square", "a red circle"]
+    sources = ["single_object", "single_object", "counting", "counting", "colors", "colors"]
+    rng = np.random.default_rng(seed)
+    images = []
+    for i, prompt in enumerate(prompts):
+        scene = parse_prompt(prompt)
+        drawn = corrupt(scene, rng) if i in wrong else scene
+        images.append(render(drawn, 32, rng))
+    verdicts = [
+        bool(verify(image, parse_prompt(p)).correct) for image, p in zip(images, prompts, strict=True)
+    ]
+    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
+    metadata = [{"scene": parse_prompt(p).to_dict()} for p in prompts]
+    scores = MultiReward({"shapes": {}})(pixels, prompts, metadata)
+    return prompts, sources, pixels, scores, verdicts
+
+
+def test_sample_rows_and_captions_carry_the_verifiers_verdict():
+    from diffrl.telemetry.report import grid_layout, sample_caption, validation_samples
+
+    prompts, sources, _, scores, verdicts = _shapes_validation(0, wrong={1, 2, 5})
+    assert verdicts == [True, False, False, True, True, False]  # the renderer and verifier agree
+    rows = validation_samples(prompts, sources, scores.total_B, scores.extras)
+    assert [r["correct"] for r in rows] == verdicts
+    assert [r["prompt"] for r in rows] == prompts
+    assert sample_caption(rows[0]) == "a square\npass"
+    assert sample_caption(rows[2]) == "three circles\nfail"
+    no_verdict = validation_samples(prompts[:1], sources[:1], scores.total_B[:1], {})
+    assert sample_caption(no_verdict[0]) == f"a square\nreward {float(scores.total_B[0]):.2f}"
+    # one grid row per category, distinct prompts before repeats, blanks filling each row
+    layout = grid_layout(rows, columns=3)
+    assert layout == [0, 1, None, 2, 3, None, 4, 5, None]
+
+
+def test_validation_grid_draws_each_caption_under_its_enlarged_tile(tmp_path):
+    from diffrl.telemetry.report import validation_grid, validation_samples
+
+    prompts, sources, pixels, scores, _ = _shapes_validation(0, wrong={1, 2, 5})
+    rows = validation_samples(prompts, sources, scores.total_B, scores.extras)
+    grid = validation_grid(pixels, rows, tmp_path / "step_000000.jsonl")
+    assert [json.loads(line) for line in (tmp_path / "step_000000.jsonl").read_text().splitlines()] == rows
+    tile = 96  # 32² samples enlarged 3× by pixel repetition
+    first = grid[2 : 2 + tile, 2 : 2 + tile]
+    np.testing.assert_array_equal(first, pixels[0].permute(1, 2, 0).numpy().repeat(3, 0).repeat(3, 1))
+    caption = grid[2 + tile : 2 + tile + 20, 2 : 2 + tile]
+    assert (caption < 100).any() and (caption == 255).mean() > 0.5  # black text on a white strip
+    assert grid.shape[1] == 2 + 8 * (tile + 2)  # 8 tiles a row: one row per category
+
+
+def test_category_table_matches_the_verifier(tmp_path):
+    from diffrl.telemetry.report import category_table, validation_samples
+
+    prompts, sources, _, before_scores, before_v = _shapes_validation(0, wrong={1, 2, 3, 5})
+    _, _, _, after_scores, after_v = _shapes_validation(0, wrong={2})
+    before = validation_samples(prompts, sources, before_scores.total_B, before_scores.extras)
+    after = validation_samples(prompts, sources, after_scores.total_B, after_scores.extras)
+    table = category_table(before, after)
+    for source in set(sources):
+        index = [i for i, s in enumerate(sources) if s == source]
+        b, a = np.array(before_v)[index].astype(float), np.array(after_v)[index].astype(float)
+        entry = table["per_category"][source]
+        assert entry["n"] == len(index)
+        assert entry["before"] == pytest.approx(b.mean()) and entry["after"] == pytest.approx(a.mean())
+        assert entry["change_se"] == pytest.approx(np.std(a - b, ddof=1) / np.sqrt(len(index)))
+    means = [table["per_category"][s] for s in sorted(set(sources))]
+    assert table["mean"]["after"] == pytest.approx(np.mean([e["after"] for e in means]))
+
+    # the run's report prints the same table and records it in report.json
+    run = tmp_path / "run"
+    (run / "validation").mkdir(parents=True)
+    lines = []
+    for step, rows in ((0, before), (4, after)):
+        (run / "validation" / f"step_{step:06d}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
+        per = {
+            f"val/{s}/accuracy": table["per_category"][s]["before" if step == 0 else "after"]
+            for s in set(sources)
+        }
+        lines.append(json.dumps({"step": step, "val/rewards/mean": 0.5, "rewards/mean": 0.5, **per}))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    text = write_report(run)
+    report = json.loads((run / "report.json").read_text())
+    for source, entry in table["per_category"].items():
+        assert report["per_category"][source] == pytest.approx(entry, nan_ok=True)
+    counting = table["per_category"]["counting"]
+    assert f"counting{counting['n']:>17}{counting['before']:>9.3f}{counting['after']:>9.3f}" in text

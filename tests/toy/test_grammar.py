@@ -258,3 +258,25 @@ def test_heldout_rules_name_real_scenes():
         Scene("position", (ObjectSpec(a), ObjectSpec(b)), rel)
     assert all(pair <= set(grammar.SHAPES) and len(pair) == 2 for pair in grammar.HELDOUT_TWO_OBJECTS)
     assert len(list(itertools.chain(grammar.HELDOUT_SINGLE))) == 1
+
+
+def test_balanced_heldout_rows_and_builtin_file(tmp_path):
+    from collections import Counter
+
+    from diffrl.toy.grammar import BALANCED_ROWS, balanced_rows, prompt_rows
+
+    rows = balanced_rows("heldout")
+    counts = Counter(row["data_source"] for row in rows)
+    assert counts == dict.fromkeys(CATEGORIES, BALANCED_ROWS)
+    heldout = {row["prompt"] for row in prompt_rows("heldout")}
+    assert {row["prompt"] for row in rows} <= heldout  # only held-out scenes
+    by_category = {c: [r["prompt"] for r in rows if r["data_source"] == c] for c in CATEGORIES}
+    assert set(by_category["single_object"]) == {"a square"}  # 1 scene, repeated 16 times
+    assert len(set(by_category["counting"])) == 3  # 3 scenes, each 5 or 6 times
+    assert len(set(by_category["color_attr"])) == BALANCED_ROWS  # 42 scenes: 16 distinct, spread
+    written = write_prompt_file(tmp_path / "b.jsonl", "heldout", balanced=True)
+    assert builtin_path("heldout", balanced=True).read_text(encoding="utf-8") == written.read_text(
+        encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match="per_category=0"):
+        balanced_rows("heldout", 0)
