@@ -15,6 +15,7 @@ weights it reproduces the sampled log-probs exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -216,20 +217,32 @@ class TrajectorySampler:
                 kept, log_probs, means, stds = [x], [], [], []
                 for k in range(num_steps):
                     in_window = k0 <= k < k0 + w
-                    call = self._window_velocity if in_window and as_trained else adapter.velocity
-                    v = call(
-                        x, timesteps[k].expand(x.shape[0]), cond, guidance, **size, true_cfg_scale=true_cfg
-                    )
-                    out = sde.step(
-                        sde_type if in_window else "ode",
-                        x,
-                        v,
-                        sigmas[k],
-                        sigmas[k + 1],
-                        noise_level,
-                        sigma_1=schedule.sigma_1,
-                        generator=gens if in_window else None,
-                    )
+                    slices = self._trained_slices(x.shape[0]) if in_window and as_trained else [slice(None)]
+                    as_training = slices != [slice(None)]
+                    parts = []
+                    for r in slices:
+                        with torch.enable_grad() if as_training else torch.no_grad():
+                            v = adapter.velocity(
+                                x[r],
+                                timesteps[k].expand(x[r].shape[0]),
+                                cond[r],
+                                guidance,
+                                **size,
+                                true_cfg_scale=true_cfg,
+                            ).detach()
+                        parts.append(
+                            sde.step(
+                                sde_type if in_window else "ode",
+                                x[r],
+                                v,
+                                sigmas[k],
+                                sigmas[k + 1],
+                                noise_level,
+                                sigma_1=schedule.sigma_1,
+                                generator=gens[r] if in_window else None,
+                            )
+                        )
+                    out = _cat_steps(parts)
                     x = out.next_latents
                     if in_window:
                         kept.append(x)
@@ -276,31 +289,24 @@ class TrajectorySampler:
             ),
         )
 
-    def _window_velocity(
-        self, latents: torch.Tensor, timestep_B: torch.Tensor, cond: PromptEmbeds, *args, **kw
-    ):
-        """The velocity of an SDE window step, computed as the trainer will recompute it.
+    def _trained_slices(self, batch: int) -> list[slice]:
+        """How an SDE window step of `batch` samples is computed: as the trainer will recompute it.
 
-        Eager kernels are the same with and without grad, so the plain no-grad call reproduces the
-        trainer's forward. Compiled blocks are not: the training graph (grad on, trainable LoRA
-        weights) is partitioned for the backward and fuses, and so rounds, differently from the
-        no-grad graph, and a graph is specialised to its batch size. So under compilation the
-        window steps run the training graph on slices of the trainer's micro-batch size, then drop
-        the autograd graph: the log-probs stored in the rollout are bit-identical to the trainer's
-        re-evaluation before its first update, and the trainer reuses them instead of a recompute
-        pass (a forward per window step and sample).
+        Eager kernels are the same with and without grad, so one no-grad call over the micro-batch
+        reproduces the trainer's forward ([slice(None)]). Compiled blocks are not: the training
+        graph (grad on, trainable LoRA weights) is partitioned for the backward and fuses, and so
+        rounds, differently from the no-grad graph; graphs are specialised to their batch size, and
+        on a GPU even the fp32 log-prob reductions round by tensor size. So under compilation each
+        window step runs, velocity and step math, on slices of the trainer's micro-batch size with
+        grad on (the autograd graph is dropped at once): the log-probs stored in the rollout are
+        then bit-identical to the trainer's re-evaluation before its first update, and the trainer
+        reuses them instead of a recompute pass (a forward per window step and sample).
         """
         micro = self.adapter.train_micro_batch_size  # set when a TrainEngine trains this module
         trains = any(p.requires_grad for p in self.adapter.transformer.parameters())
         if not (self.adapter.compiled and micro and trains):
-            return self.adapter.velocity(latents, timestep_B, cond, *args, **kw)
-        parts = []
-        with torch.enable_grad():
-            for s in range(0, latents.shape[0], micro):
-                rows = slice(s, s + micro)
-                v = self.adapter.velocity(latents[rows], timestep_B[rows], cond[rows], *args, **kw)
-                parts.append(v.detach())
-        return torch.cat(parts)
+            return [slice(None)]
+        return [slice(s, min(s + micro, batch)) for s in range(0, batch, micro)]
 
     def _progress_bar(self) -> Progress:
         return Progress(
@@ -311,6 +317,15 @@ class TrajectorySampler:
             transient=True,
             disable=not self.progress,
         )
+
+
+def _cat_steps(parts: list[sde.StepOut]) -> sde.StepOut:
+    if len(parts) == 1:
+        return parts[0]
+    """One StepOut of the samples of `parts`, in order."""
+    return sde.StepOut(
+        **{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(sde.StepOut)}
+    )
 
 
 def _stack_or_empty(values: list[torch.Tensor], batch: int) -> torch.Tensor:
