@@ -260,7 +260,7 @@ def write_report(run_dir: str | Path) -> str:
             lines.append(f"before/after samples: {run_dir / 'before_after.png'}")
     curve = {s: m[TRAIN_REWARD] for s, m in steps.items() if TRAIN_REWARD in m}
     if curve or validations:
-        window = max(1, round(len(curve) / 8))
+        window = max(3, round(len(curve) / 5))  # 20 steps: a mean of 4
         series = [(TRAIN_REWARD, curve, (174, 199, 232), 1)]
         series.append((f"{TRAIN_REWARD}, mean of {window} steps", smooth(curve, window), (31, 119, 180), 3))
         series.append((VAL_REWARD, {s: v[VAL_REWARD] for s, v in validations.items()}, (214, 39, 40), 2))

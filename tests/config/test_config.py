@@ -214,13 +214,13 @@ def test_window_must_fit_the_steps():
 
 
 def test_batch_sizes_must_nest():
-    # default preset: 4 prompts × 8 samples = 32 trajectories per step, mini-batch 32, micro 32
+    # default preset: 8 prompts × 4 samples = 32 trajectories per step, mini-batch 32, micro 32
     with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=12 is invalid: .*mini_batch_size=32"):
         load_config("default", ["actor.micro_batch_size=12"])
     with pytest.raises(
         ConfigError, match=r"actor\.mini_batch_size=12 is invalid: must be a multiple of rollout\.n=8"
     ):
-        load_config("default", ["actor.mini_batch_size=12", "actor.micro_batch_size=4"])
+        load_config("default", ["rollout.n=8", "actor.mini_batch_size=12", "actor.micro_batch_size=4"])
     with pytest.raises(ConfigError, match=r"actor\.mini_batch_size=64 is invalid: must divide .* = 32"):
         load_config("default", ["actor.mini_batch_size=64"])
     # micro-batches are per worker: 2 workers × 16 no longer divide a mini-batch of 16
