@@ -175,3 +175,11 @@ def test_category_table_matches_the_verifier(tmp_path):
         assert report["per_category"][source] == pytest.approx(entry, nan_ok=True)
     counting = table["per_category"]["counting"]
     assert f"counting{counting['n']:>17}{counting['before']:>9.3f}{counting['after']:>9.3f}" in text
+
+
+def test_smooth_is_a_trailing_mean():
+    from diffrl.telemetry.report import smooth
+
+    curve = {1: 0.0, 2: 1.0, 3: 0.5, 5: 1.0}
+    assert smooth(curve, 2) == pytest.approx({1: 0.0, 2: 0.5, 3: 0.75, 5: 0.75})
+    assert smooth(curve, 1) == curve
