@@ -1,16 +1,13 @@
-"""Name -> object registries for advantage estimators and losses.
+"""Name -> object registries, and the one for advantage estimators.
 
-A config names an algorithm by a stable string (`algorithm.adv_estimator`, `actor.loss.mode`); the
-trainer looks it up here. Registration is explicit, at import time of the module that defines the
-object:
+A config names an object by a stable string (`algorithm.adv_estimator`; `actor.loss.mode` names an
+algorithm declaration, `diffrl.algos.spec`); the trainer looks it up here. Registration is
+explicit, at import time of the module that defines the object:
 
     @register_advantage("flow_grpo")
     def compute_flow_grpo_advantages(rewards_B, uids, cfg): ...
 
-    @register_loss("flow_grpo")
-    class FlowGRPOLoss: ...
-
-`diffrl.algos` imports every built-in algorithm module, so `import diffrl.algos` fills both
+`diffrl.algos` imports every built-in algorithm module, so `import diffrl.algos` fills the
 registries. A user's own algorithm registers the same way from their module, imported before the
 trainer starts. Unknown names raise `ValueError` listing what is registered (with a did-you-mean);
 registering a taken name raises instead of silently replacing the first one.
@@ -63,6 +60,10 @@ class Registry(Generic[T]):
         """Registered names, sorted."""
         return sorted(self._items)
 
+    def values(self) -> list[T]:
+        """Registered objects, in registration order."""
+        return list(self._items.values())
+
     def __contains__(self, name: object) -> bool:
         return name in self._items
 
@@ -74,7 +75,6 @@ class Registry(Generic[T]):
 
 
 ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
-LOSSES: Registry[type] = Registry("loss")
 
 
 def register_advantage(name: str) -> Callable:
@@ -82,16 +82,6 @@ def register_advantage(name: str) -> Callable:
     return ADVANTAGE_ESTIMATORS.register(name)
 
 
-def register_loss(name: str) -> Callable:
-    """Register a loss class (see `diffrl.algos.base.Loss`); it must construct without arguments."""
-    return LOSSES.register(name)
-
-
 def get_advantage_estimator(name: str) -> Callable:
     """The estimator function registered as `name` (`algorithm.adv_estimator`)."""
     return ADVANTAGE_ESTIMATORS.get(name)
-
-
-def get_loss(name: str):
-    """A new instance of the loss class registered as `name` (`actor.loss.mode`, or "kl")."""
-    return LOSSES.get(name)()

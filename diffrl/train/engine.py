@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from diffrl.rollout.types import Rollout
 from diffusers.training_utils import cast_training_params
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import KLLoss, LossInputs, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.rollout.sampler import evaluate_step, evaluate_window
-from diffrl.rollout.types import Rollout
 from diffrl.train.lora import inject_lora
 
 POLICY = "default"
@@ -97,8 +97,10 @@ class TrainEngine:
         self.adapter = adapter
         self.model_cfg = model_cfg
         self.cfg = actor_cfg
-        self.loss_fn = get_loss(actor_cfg.loss.mode)
-        self.kl_fn = get_loss("kl") if actor_cfg.loss.kl_coef > 0 else None
+        spec = algorithm(actor_cfg.loss.mode)
+        self.loss_fn = spec.loss()
+        self.needs_old_mean = isinstance(spec, PolicyGradientSpec) and spec.needs_old_mean
+        self.kl_fn = KLLoss() if actor_cfg.loss.kl_coef > 0 else None
         self.lora = model_cfg.lora.rank > 0
         self.optim_steps = 0
         self.skipped_steps = 0
@@ -231,7 +233,7 @@ class TrainEngine:
         if not steps:
             raise ValueError("no window steps to train: the rollouts were sampled without an SDE window")
         loss_cfg = self.cfg.loss
-        needs_old_mean = getattr(self.loss_fn, "needs_old_mean", False)
+        needs_old_mean = self.needs_old_mean
         sums: dict[str, float] = defaultdict(float)
         terms = 0
         for index, mb in enumerate(micro_batches):
