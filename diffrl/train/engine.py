@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from diffusers.training_utils import cast_training_params
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import KLLoss, LossInputs, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
@@ -118,9 +118,10 @@ class TrainEngine:
         self.adapter = adapter
         self.model_cfg = model_cfg
         self.cfg = actor_cfg
-        self.loss_fn = get_loss(actor_cfg.loss.mode)
-        self.kl_fn = get_loss("kl") if actor_cfg.loss.kl_coef > 0 else None
-        self.needs_old_mean = getattr(self.loss_fn, "needs_old_mean", False)
+        spec = algorithm(actor_cfg.loss.mode)
+        self.loss_fn = spec.loss()
+        self.kl_fn = KLLoss() if actor_cfg.loss.kl_coef > 0 else None
+        self.needs_old_mean = isinstance(spec, PolicyGradientSpec) and spec.needs_old_mean
         self.lora = model_cfg.lora.rank > 0
         self.optim_steps = 0
         self.skipped_steps = 0

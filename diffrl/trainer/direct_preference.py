@@ -35,7 +35,16 @@ from typing import Any
 
 import torch
 
-from diffrl.algos import advantage_metrics, get_advantage_estimator
+from diffrl.algos import (
+    DIRECT_PREFERENCE,
+    PAIRS,
+    DirectPreferenceSpec,
+    advantage_metrics,
+    algorithm,
+    algorithms,
+    get_advantage_estimator,
+    uses_old_adapter,
+)
 from diffrl.algos.dpo import preference_pairs
 from diffrl.algos.nft import old_policy_decay
 from diffrl.config.schema import Config
@@ -58,14 +67,7 @@ from diffrl.trainer.minibatches import mini_batches
 from diffrl.trainer.sharding import sample_groups
 from diffrl.transition import Rollout
 
-DIRECT_PREFERENCE_LOSSES = ("diffusion_nft", "awm", "dpo")
 _ENCODE_CHUNK = 256  # images read and sent to the workers at a time while building the cache
-
-
-def needs_old_adapter(cfg: Config) -> bool:
-    """Whether the loss reads the `old` adapter: DiffusionNFT always, AWM for its EMA KL term."""
-    loss = cfg.actor.loss
-    return loss.mode == "diffusion_nft" or (loss.mode == "awm" and loss.awm_ema_kl_coef > 0)
 
 
 class DirectPreferenceTrainer(TrainingLoop):
@@ -73,17 +75,16 @@ class DirectPreferenceTrainer(TrainingLoop):
 
     def __init__(self, cfg: Config, run_dir: Path, **loop_args: Any):
         super().__init__(cfg, run_dir, **loop_args)
-        self.mode = cfg.actor.loss.mode
-        if self.mode not in DIRECT_PREFERENCE_LOSSES:
+        self.spec = algorithm(cfg.actor.loss.mode)
+        if not isinstance(self.spec, DirectPreferenceSpec):
             raise ValueError(
-                f"actor.loss.mode={self.mode!r} is not a direct-preference loss: choose one of "
-                f"{list(DIRECT_PREFERENCE_LOSSES)}, or algorithm.trainer_type=policy_gradient"
+                f"actor.loss.mode={self.spec.name!r} is not a direct-preference loss: choose one of "
+                f"{[s.name for s in algorithms(DIRECT_PREFERENCE)]}, or algorithm.trainer_type=policy_gradient"
             )
         self.offline = cfg.algorithm.sample_source == "offline"
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.with_old = needs_old_adapter(cfg)
-        # DiffusionNFT samples with the old policy; AWM and DPO with the trained one
-        self.sampling_policy = OLD if self.mode == "diffusion_nft" else POLICY
+        self.with_old = uses_old_adapter(cfg.actor.loss)
+        self.sampling_policy = OLD if self.spec.samples_with_old else POLICY
         self.optim_steps: int | None = None  # the engine's count, read from the workers on first use
         self.last_decay: float | None = None
         self.skipped_steps = 0.0
@@ -131,7 +132,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         sample_uids = rollout.sample_uids()
         metrics = scores.metrics(sample_uids)
         with self.timer.phase("update_actor"):
-            if self.mode == "dpo":
+            if self.spec.trains_on == PAIRS:
                 chosen_P, rejected_P = preference_pairs(scores.total_B, sample_uids)
                 metrics["dpo/pairs"] = float(len(chosen_P))
                 metrics.update(self._update_pairs(self._rollout_pairs(rollout, chosen_P, rejected_P)))
@@ -374,4 +375,4 @@ def _prompt_embeds_from(tensors: dict[str, torch.Tensor]) -> PromptEmbeds:
     return PromptEmbeds(**values, batch_size=[values["embeds"].shape[0]])
 
 
-__all__ = ["DIRECT_PREFERENCE_LOSSES", "DirectPreferenceTrainer", "needs_old_adapter"]
+__all__ = ["DirectPreferenceTrainer"]

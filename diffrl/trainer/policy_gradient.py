@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from diffrl.algos import advantage_metrics, get_advantage_estimator, get_loss
+from diffrl.algos import PolicyGradientSpec, advantage_metrics, algorithm, get_advantage_estimator
 from diffrl.algos.nft import timestep_subset, timestep_subset_mask
 from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
@@ -53,7 +53,8 @@ class PolicyGradientTrainer(TrainingLoop):
         super().__init__(cfg, run_dir, **loop_args)
         self.reuse_rollout_log_probs = reuse_rollout_log_probs
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.needs_old_mean = getattr(get_loss(cfg.actor.loss.mode), "needs_old_mean", False)
+        spec = algorithm(cfg.actor.loss.mode)
+        self.needs_old_mean = isinstance(spec, PolicyGradientSpec) and spec.needs_old_mean
         rc = cfg.algorithm.rollout_correction
         self.corrects_rollout = rc.is_level != "none" or rc.rejection != "none"
         self.peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
