@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffrl.data import PromptRecord
-from diffrl.files import write_json  # noqa: F401  (until trainer/run.py imports it from diffrl.files)
 from diffrl.models.base import PromptEmbeds
 from diffrl.transition import Rollout
 from diffrl.workers.roles import PromptShard
