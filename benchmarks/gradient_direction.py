@@ -24,6 +24,7 @@ from diffrl.config import load_config
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.toy.grammar import parse_prompt
 from diffrl.toy.verify import verify_batch
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import TrainEngine
 from diffrl.workers.roles import build_adapter
 
@@ -61,8 +62,9 @@ def main() -> None:
     rollout = sampler.sample([args.prompt], seed=0, step=3)
     correct, partial = score(rollout.samples.pixels)
     rewards = torch.tensor(partial, dtype=torch.float32)  # the default preset's reward: partial credit
-    rollout.samples.advantages_B = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
-    engine.forward_backward([rollout.select(slice(i, i + args.micro)) for i in range(0, n, args.micro)])
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    trained = PolicyGradientBatch(rollout, TrainingTargets(advantages_B=advantages, batch_size=[n]))
+    engine.forward_backward([trained.select(slice(i, i + args.micro)) for i in range(0, n, args.micro)])
     grads = [p.grad.detach().clone() for p in engine.params]
     norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
     base = [p.detach().clone() for p in engine.params]

@@ -39,6 +39,7 @@ from diffrl.config.schema import (
     SdeConfig,
 )
 from diffrl.rollout import TrajectorySampler
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import TrainEngine
 
 H100_BF16_DENSE_TFLOPS = 989.0
@@ -88,9 +89,12 @@ def main() -> None:
     # exactly the global batch a single GPU trains.
     prompts = [f"prompt {i}" for i in range(args.images // args.n)]
     rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(prompts, seed=0, step=0)
-    rollout.samples.advantages_B = torch.linspace(-1, 1, len(rollout), device=device)
+    advantages = torch.linspace(-1, 1, len(rollout), device=device)
+    trained = PolicyGradientBatch(
+        rollout, TrainingTargets(advantages_B=advantages, batch_size=[len(rollout)])
+    )
     per_rank = len(rollout) // world
-    shard = rollout.select(slice(rank * per_rank, (rank + 1) * per_rank))
+    shard = trained.select(slice(rank * per_rank, (rank + 1) * per_rank))
 
     engine = TrainEngine(
         adapter,

@@ -40,8 +40,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-from diffusers.utils.torch_utils import randn_tensor
+from diffrl.lazy import lazy_import
+
+# Deferred (diffrl.lazy): the config schema reads SDE_KINDS, and `diffrl config` loads no torch.
+torch = lazy_import("torch")
 
 SDE_KINDS = ("sde", "cps", "dance_sde", "ode")
 
@@ -274,6 +276,8 @@ def _check_sigmas(sigma: float | torch.Tensor, sigma_next: float | torch.Tensor)
 
 
 def _draw_noise(generator: torch.Generator | Sequence[torch.Generator], x: torch.Tensor) -> torch.Tensor:
+    from diffusers.utils.torch_utils import randn_tensor  # diffrl.lazy
+
     if isinstance(generator, torch.Generator):
         return randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
     generators = list(generator)

@@ -1,15 +1,19 @@
-"""Advantage estimators and losses, looked up by name from the config.
+"""The algorithms, each declared in its own file, and the advantage estimators.
 
-Importing this package registers every built-in algorithm:
-advantage estimators: "flow_grpo";
-policy-gradient losses (per SDE window step, `LossInputs` + `StepOut`): "flow_grpo", "grpo_guard",
-"flow_dppo", and the "kl" penalty;
-direct-preference losses (forward process, own inputs + the network's velocity): "awm",
-"diffusion_nft", "dpo".
+Importing this package registers every built-in algorithm (`diffrl.algos.spec` says what a
+declaration holds), in the order their settings appear under `actor.loss`:
+policy gradient (a loss per SDE window step, `LossInputs` + `StepOut`): "flow_grpo", "grpo_guard",
+"flow_dppo";
+direct preference (forward process, its own inputs + the network's velocity): "diffusion_nft",
+"awm", "dpo".
+The KL penalty (`KLLoss`) adds to any policy-gradient loss; advantage estimators: "flow_grpo".
 Rollout correction (`diffrl.algos.rollout_correction`) is plain functions, not registered.
+
+Nothing here imports torch at import time (`diffrl.lazy`): the config schema reads these
+declarations.
 """
 
-from diffrl.algos import advantages, awm, dpo, flow_dppo, flow_grpo, grpo_guard, kl, nft  # noqa: F401  (registration on import)
+from diffrl.algos import advantages, flow_grpo, grpo_guard, flow_dppo, nft, dpo, awm, kl  # noqa: F401, I001  (registration on import, in this order)
 from diffrl.algos.advantages import compute_flow_grpo_advantages
 from diffrl.algos.awm import AWMInputs, AWMLoss
 from diffrl.algos.base import Loss, LossInputs
@@ -22,22 +26,43 @@ from diffrl.algos.metrics import advantage_metrics, reward_metrics
 from diffrl.algos.nft import DiffusionNFTLoss, NFTInputs, old_policy_decay
 from diffrl.algos.registry import (
     ADVANTAGE_ESTIMATORS,
-    LOSSES,
     Registry,
     get_advantage_estimator,
-    get_loss,
     register_advantage,
-    register_loss,
+)
+from diffrl.algos.spec import (
+    ALGORITHMS,
+    DIRECT_PREFERENCE,
+    LOOPS,
+    PAIRS,
+    POLICY_GRADIENT,
+    SAMPLES,
+    AlgorithmSpec,
+    DirectPreferenceSpec,
+    PolicyGradientSpec,
+    Velocities,
+    algorithm,
+    algorithm_settings,
+    algorithms,
+    register_algorithm,
+    uses_old_adapter,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "LOSSES",
+    "ALGORITHMS",
+    "DIRECT_PREFERENCE",
+    "LOOPS",
+    "PAIRS",
+    "POLICY_GRADIENT",
+    "SAMPLES",
     "AWMInputs",
     "AWMLoss",
+    "AlgorithmSpec",
     "DPOInputs",
     "DPOLoss",
     "DiffusionNFTLoss",
+    "DirectPreferenceSpec",
     "FlowDPPOLoss",
     "FlowGRPOLoss",
     "GRPOGuardLoss",
@@ -45,14 +70,19 @@ __all__ = [
     "Loss",
     "LossInputs",
     "NFTInputs",
+    "PolicyGradientSpec",
     "Registry",
+    "Velocities",
     "advantage_metrics",
+    "algorithm",
+    "algorithm_settings",
+    "algorithms",
     "compute_flow_grpo_advantages",
     "get_advantage_estimator",
-    "get_loss",
     "old_policy_decay",
     "preference_pairs",
     "register_advantage",
-    "register_loss",
+    "register_algorithm",
     "reward_metrics",
+    "uses_old_adapter",
 ]

@@ -12,12 +12,14 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from diffrl.algos.registry import register_advantage
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import AlgorithmConfig
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 STD_EPS = 1e-4
 """Added to the std before dividing (Flow-GRPO and VeRL-Omni use 1e-4)."""

@@ -49,15 +49,18 @@ How the trainer calls it (one call per micro-batch and training noise level; see
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from diffrl.algos.base import CLIP_RATIO_METRICS, clip_ratio_stats, ppo_clip_terms
-from diffrl.algos.registry import register_loss
+from diffrl.algos.flow_matching import interpolate
+from diffrl.algos.spec import SAMPLES, DirectPreferenceSpec, Velocities, register_algorithm
+from diffrl.config.checks import require_at_least, require_choice, require_positive
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 AWM_WEIGHTINGS = ("uniform", "sigma", "sigma_sq", "ghuber")
 GHUBER_DELTA = 1e-10
@@ -138,7 +141,6 @@ def velocity_gap(velocity: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     return (velocity.to(dtype) - anchor.detach().to(dtype)).pow(2).flatten(1).mean(dim=1).mean()
 
 
-@register_loss("awm")
 class AWMLoss:
     """AWM loss. Reads `cfg.clip_ratio`, `cfg.adv_clip_max`, `cfg.kl_coef`, `cfg.awm_weighting`,
     `cfg.awm_ghuber_power`, `cfg.awm_ema_kl_coef`.
@@ -155,8 +157,6 @@ class AWMLoss:
         kl                     the reference velocity gap (only when kl_coef > 0)
         ema_kl                 the EMA velocity gap (only when awm_ema_kl_coef > 0)
     """
-
-    trainer_type = "direct_preference"  # the loop that can feed it (algorithm.trainer_type)
 
     def compute(
         self, batch: AWMInputs, velocity: torch.Tensor, cfg: LossConfig
@@ -219,3 +219,52 @@ class AWMLoss:
                 ]
             ).tolist()  # one device sync
         return loss, dict(zip(METRIC_NAMES + tuple(extra), stats, strict=True))
+
+
+# ------------------------------------------------------------------------- declaration
+@dataclass
+class AWMSettings:
+    """AWM's keys under `actor.loss`."""
+
+    awm_weighting: str = "uniform"  # uniform, sigma, sigma_sq or ghuber (see diffrl.algos.awm)
+    awm_ghuber_power: float = 0.25  # p of the ghuber weighting
+    awm_ema_kl_coef: float = 0.0  # KL of the velocity to the `old` (EMA) adapter
+
+    def validate(self, at: str) -> None:
+        require_choice(f"{at}.awm_weighting", self.awm_weighting, AWM_WEIGHTINGS)
+        require_positive(f"{at}.awm_ghuber_power", self.awm_ghuber_power)
+        require_at_least(f"{at}.awm_ema_kl_coef", self.awm_ema_kl_coef, 0.0)
+
+
+def awm_term(
+    batch: Any, noise: torch.Tensor, sigmas_B: torch.Tensor, cfg: LossConfig, net: Velocities, adv_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The AWM loss of a micro-batch of clean samples at one noise level per sample, on-policy
+    (ρ ≡ 1): v_ref and v_ema (the `old` adapter) only when their KL terms are on, then v_θ.
+    `adv_mode` is DiffusionNFT's; AWM weights by the advantages themselves."""
+    x_t = interpolate(batch.latents, noise, sigmas_B)
+    v_ref = net.reference(x_t, sigmas_B, batch.cond) if cfg.kl_coef > 0 else None
+    v_ema = net.old(x_t, sigmas_B, batch.cond) if cfg.awm_ema_kl_coef > 0 else None
+    v = net.trained(x_t, sigmas_B, batch.cond)
+    inputs = AWMInputs(
+        batch.advantages_B.to(v.device),
+        batch.latents,
+        noise,
+        sigmas_B.to(v.device),
+        ref_velocity=v_ref,
+        ema_velocity=v_ema,
+    )
+    return AWMLoss().compute(inputs, v, cfg)
+
+
+register_algorithm(
+    DirectPreferenceSpec(
+        name="awm",
+        loss=AWMLoss,
+        settings=AWMSettings,
+        metrics=METRIC_NAMES,
+        term=awm_term,
+        trains_on=SAMPLES,
+        needs_old_adapter=lambda cfg: cfg.awm_ema_kl_coef > 0,  # the EMA KL's anchor
+    )
+)

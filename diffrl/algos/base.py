@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
     from diffrl.sde import StepOut
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 
 @dataclass
@@ -117,7 +119,7 @@ def clip_ratio_stats(log_ratio_B: torch.Tensor, ratio_B: torch.Tensor, eps: floa
 
 
 class Loss(Protocol):
-    """A registered loss (`@register_loss(name)`): stateless, constructed without arguments."""
+    """A policy-gradient loss (`PolicyGradientSpec.loss`): stateless, constructed without arguments."""
 
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig

@@ -32,18 +32,20 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from diffrl.algos.advantages import group_index
 from diffrl.algos.flow_matching import interpolate
-from diffrl.algos.registry import register_loss
+from diffrl.algos.spec import PAIRS, DirectPreferenceSpec, Velocities, register_algorithm
+from diffrl.config.checks import require_positive
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 
 def preference_pairs(
@@ -190,7 +192,6 @@ def dpo_logits(
     return -0.5 * beta * (gap_w - gap_l), gap_w, gap_l
 
 
-@register_loss("dpo")
 class DPOLoss:
     """Diffusion-DPO loss. Reads `cfg.dpo_beta`.
 
@@ -205,8 +206,6 @@ class DPOLoss:
         reward_margin     mean(z) = reward_chosen − reward_rejected
         mse_chosen, mse_rejected   mean flow-matching error e_θ of each side
     """
-
-    trainer_type = "direct_preference"  # the loop that can feed it (algorithm.trainer_type)
 
     def compute(
         self, batch: DPOInputs, velocity: torch.Tensor, cfg: LossConfig
@@ -226,7 +225,7 @@ class DPOLoss:
         if not beta > 0:
             raise ValueError(f"actor.loss.dpo_beta must be > 0, got {beta}")
         z_P, gap_w, gap_l = dpo_logits(velocity, batch.ref_velocity, batch.target, beta)
-        loss = F.softplus(-z_P).mean()  # −log σ(z), stable for large |z|
+        loss = torch.nn.functional.softplus(-z_P).mean()  # −log σ(z), stable for large |z|
 
         with torch.no_grad():
             pairs = batch.num_pairs
@@ -243,3 +242,43 @@ class DPOLoss:
                 ]
             ).tolist()  # one device sync
         return loss, dict(zip(METRIC_NAMES, stats, strict=True))
+
+
+# ------------------------------------------------------------------------- declaration
+@dataclass
+class DPOSettings:
+    """Diffusion-DPO's keys under `actor.loss`."""
+
+    dpo_beta: float = 2000.0  # β of Diffusion-DPO (recipes use 100 to 5000)
+
+    def validate(self, at: str) -> None:
+        require_positive(f"{at}.dpo_beta", self.dpo_beta)
+
+
+def dpo_term(
+    batch: Any, noise: torch.Tensor, sigmas_P: torch.Tensor, cfg: LossConfig, net: Velocities
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The Diffusion-DPO loss of a micro-batch of pairs (`chosen_latents`, `rejected_latents`,
+    `cond` without CFG negatives): the 2P rows (chosen first) share each pair's ε and σ; the
+    reference is the base model (adapters disabled, or the frozen copy of full fine-tuning)."""
+    latents = torch.cat([batch.chosen_latents, batch.rejected_latents])
+    sigmas_2P = torch.cat([sigmas_P, sigmas_P])
+    x_t = interpolate(latents, torch.cat([noise, noise]), sigmas_2P)
+    cond = torch.cat([batch.cond, batch.cond])
+    v_ref = net.reference(x_t, sigmas_2P, cond)
+    v = net.trained(x_t, sigmas_2P, cond)
+    inputs = DPOInputs(batch.chosen_latents, batch.rejected_latents, noise, sigmas_P.to(v.device), v_ref)
+    return DPOLoss().compute(inputs, v, cfg)
+
+
+register_algorithm(
+    DirectPreferenceSpec(
+        name="dpo",
+        loss=DPOLoss,
+        settings=DPOSettings,
+        metrics=METRIC_NAMES,
+        term=dpo_term,
+        trains_on=PAIRS,
+        needs_reference=True,  # its loss compares with the reference, whatever kl_coef is
+    )
+)

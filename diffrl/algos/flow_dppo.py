@@ -34,16 +34,19 @@ Choices worth knowing:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from diffrl.algos.base import LossInputs, check_step_inputs
-from diffrl.algos.registry import register_loss
+from diffrl.algos.spec import PolicyGradientSpec, register_algorithm
+from diffrl.config.checks import require_positive
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
     from diffrl.sde import StepOut
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 METRIC_NAMES = (
     "policy_loss",
@@ -82,7 +85,6 @@ def trust_region_masks(
     return outside_B, pos_drop_B, neg_drop_B
 
 
-@register_loss("flow_dppo")
 class FlowDPPOLoss:
     """Flow-DPPO policy loss. Needs `batch.old_mean`; reads `cfg.kl_mask_threshold`,
     `cfg.add_kl_coefficient` and `cfg.adv_clip_max` (`cfg.clip_ratio` is not used).
@@ -97,9 +99,6 @@ class FlowDPPOLoss:
         pos_rm_fraction, neg_rm_fraction  fractions dropped with Â > 0 (ρ > 1) / Â < 0 (ρ < 1)
         masked_fraction                 fraction dropped (the sum of the two)
     """
-
-    trainer_type = "policy_gradient"  # the loop that can feed it (algorithm.trainer_type)
-    needs_old_mean = True  # LossInputs.old_mean must be set (rollout means or recomputed old ones)
 
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig
@@ -149,3 +148,26 @@ class FlowDPPOLoss:
                 ]
             ).tolist()  # one device sync
         return loss, dict(zip(METRIC_NAMES, stats, strict=True))
+
+
+@dataclass
+class FlowDPPOSettings:
+    """Flow-DPPO's keys under `actor.loss`."""
+
+    # drop a sample's term once D(μ_θ, μ_old) ≥ kl_mask_threshold and it moves further out
+    kl_mask_threshold: float = 1e-5
+    add_kl_coefficient: bool = True  # D divides by the transition variance (false: by 1)
+
+    def validate(self, at: str) -> None:
+        require_positive(f"{at}.kl_mask_threshold", self.kl_mask_threshold)
+
+
+register_algorithm(
+    PolicyGradientSpec(
+        name="flow_dppo",
+        loss=FlowDPPOLoss,
+        settings=FlowDPPOSettings,
+        metrics=METRIC_NAMES,
+        needs_old_mean=True,
+    )
+)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from diffrl.algos.base import (
     CLIP_RATIO_METRICS,
     LossInputs,
@@ -32,17 +30,19 @@ from diffrl.algos.base import (
     clip_ratio_stats,
     ppo_clip_terms,
 )
-from diffrl.algos.registry import register_loss
+from diffrl.algos.spec import PolicyGradientSpec, register_algorithm
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
     from diffrl.sde import StepOut
 
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
+
 
 METRIC_NAMES = ("policy_loss", *CLIP_RATIO_METRICS)
 
 
-@register_loss("flow_grpo")
 class FlowGRPOLoss:
     """PPO-clip policy loss of Flow-GRPO. Reads `cfg.clip_ratio` and `cfg.adv_clip_max`.
 
@@ -75,3 +75,6 @@ class FlowGRPOLoss:
             ).tolist()  # one device sync for all metrics
         metrics = dict(zip(METRIC_NAMES, stats, strict=True))
         return loss, metrics
+
+
+register_algorithm(PolicyGradientSpec(name="flow_grpo", loss=FlowGRPOLoss, metrics=METRIC_NAMES))

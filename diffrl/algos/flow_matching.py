@@ -13,8 +13,9 @@ shifted sigmas), and w(σ) is diffusers' `compute_loss_weighting_for_sd3` (1 for
 
 from __future__ import annotations
 
-import torch
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+from diffrl.lazy import lazy_import
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 
 def sample_sigmas(
@@ -31,6 +32,8 @@ def sample_sigmas(
     .sigmas` before any `set_timesteps`: num_train_timesteps values from 1 down, shift applied);
     u ~ the scheme's density on (0, 1) selects index ⌊u·N⌋, as the diffusers SD3 scripts do.
     """
+    from diffusers.training_utils import compute_density_for_timestep_sampling  # diffrl.lazy
+
     n = len(scheduler_sigmas) - 1 if scheduler_sigmas[-1] == 0 else len(scheduler_sigmas)
     u = torch.cat(
         [
@@ -52,6 +55,8 @@ def flow_matching_loss(
     weighting_scheme: str,
 ) -> torch.Tensor:
     """The weighted velocity MSE above, averaged over elements then samples (a scalar with grad)."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3  # diffrl.lazy
+
     target = (noise - latents).to(velocity.dtype)
     weights_B = compute_loss_weighting_for_sd3(weighting_scheme, sigmas_B.to(velocity.device)).float()
     per_sample_B = (velocity - target).pow(2).flatten(1).mean(dim=1)

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from diffrl.algos.base import (
     CLIP_RATIO_METRICS,
     LossInputs,
@@ -44,11 +42,14 @@ from diffrl.algos.base import (
     clip_ratio_stats,
     ppo_clip_terms,
 )
-from diffrl.algos.registry import register_loss
+from diffrl.algos.spec import PolicyGradientSpec, register_algorithm
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
     from diffrl.sde import StepOut
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 METRIC_NAMES = (
     "policy_loss",
@@ -78,7 +79,6 @@ def ratio_mean_bias(mean: torch.Tensor, old_mean: torch.Tensor, scale: torch.Ten
     return sq_gap_B / (2.0 * scale.to(sq_gap_B.dtype) ** 2)
 
 
-@register_loss("grpo_guard")
 class GRPOGuardLoss:
     """GRPO-Guard policy loss. Needs `batch.old_mean`; reads `cfg.clip_ratio`, `cfg.adv_clip_max`.
 
@@ -91,9 +91,6 @@ class GRPOGuardLoss:
         ratio_mean_bias              mean(b)
         sigma_t, sqrt_dt             σ̄ and h̄ of this step
     """
-
-    trainer_type = "policy_gradient"  # the loop that can feed it (algorithm.trainer_type)
-    needs_old_mean = True  # LossInputs.old_mean must be set (rollout means or recomputed old ones)
 
     def compute(
         self, batch: LossInputs, policy_out: StepOut, cfg: LossConfig
@@ -139,3 +136,8 @@ class GRPOGuardLoss:
                 "Set rollout.sde.type=sde or use another loss"
             )
         return loss, metrics
+
+
+register_algorithm(
+    PolicyGradientSpec(name="grpo_guard", loss=GRPOGuardLoss, metrics=METRIC_NAMES, needs_old_mean=True)
+)

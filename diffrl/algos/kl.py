@@ -28,14 +28,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from diffrl.algos.base import LossInputs
-from diffrl.algos.registry import register_loss
+from diffrl.algos.spec import explain_not_an_algorithm
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
     from diffrl.sde import StepOut
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 KL_STD_CHOICES = ("sde", "transition")
 
@@ -49,7 +50,6 @@ def kl_std_B(policy_out: StepOut, kl_std: str) -> torch.Tensor:
     raise ValueError(f"actor.loss.kl_std must be one of {list(KL_STD_CHOICES)}, got {kl_std!r}")
 
 
-@register_loss("kl")
 class KLLoss:
     """KL to the reference policy on the SDE means. Needs `batch.ref_mean`; reads `cfg.kl_std`.
 
@@ -80,3 +80,9 @@ class KLLoss:
         kl_B = sq_gap_B / (2.0 * std_B.to(sq_gap_B.dtype) ** 2)
         loss = kl_B.mean()
         return loss, {"kl": loss.item()}
+
+
+explain_not_an_algorithm(
+    "kl",
+    "kl is the KL-to-reference term, not a policy loss: choose a policy loss and set actor.loss.kl_coef",
+)

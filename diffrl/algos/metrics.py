@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-import torch
 
 from diffrl.algos.advantages import group_index, group_mean_std
+from diffrl.lazy import lazy_import
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 
 def reward_metrics(

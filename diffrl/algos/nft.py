@@ -39,14 +39,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from diffrl.algos.registry import register_loss
+from diffrl.algos.flow_matching import interpolate
+from diffrl.algos.spec import SAMPLES, DirectPreferenceSpec, Velocities, register_algorithm
+from diffrl.config.checks import require_positive
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import LossConfig
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 # ------------------------------------------------------------------------ optimality probability
 NFT_ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
@@ -137,7 +140,6 @@ class NFTInputs:
 METRIC_NAMES = ("policy_loss", "positive_loss", "negative_loss", "old_deviate", "reward_prob_mean")
 
 
-@register_loss("diffusion_nft")
 class DiffusionNFTLoss:
     """DiffusionNFT loss. Reads `cfg.mix_beta`, `cfg.adv_clip_max`, `cfg.nft_weight_min`, `cfg.kl_coef`.
 
@@ -155,8 +157,6 @@ class DiffusionNFTLoss:
         reward_prob_mean  mean(r)
         kl                mean((v_θ − v_ref)²) (only when kl_coef > 0)
     """
-
-    trainer_type = "direct_preference"  # the loop that can feed it (algorithm.trainer_type)
 
     def compute(
         self, batch: NFTInputs, velocity: torch.Tensor, cfg: LossConfig
@@ -254,7 +254,6 @@ def old_policy_decay(schedule: str | float, step: int) -> float:
     return min((step - flat) * rate, ceiling)
 
 
-@torch.no_grad()
 def ema_update_(targets: Iterable[torch.Tensor], sources: Iterable[torch.Tensor], decay: float) -> None:
     """In place, pairwise: target ← decay·target + (1 − decay)·source (decay 0 copies exactly).
 
@@ -262,20 +261,21 @@ def ema_update_(targets: Iterable[torch.Tensor], sources: Iterable[torch.Tensor]
     adapter's tensors, `sources` the trained ones, in the same order and shapes. Sources are not
     modified; no autograd history is recorded.
     """
-    if not 0.0 <= decay <= 1.0:
-        raise ValueError(f"EMA decay {decay} must be in [0, 1]")
-    targets, sources = list(targets), list(sources)
-    if len(targets) != len(sources):
-        raise ValueError(f"ema_update_ got {len(targets)} targets for {len(sources)} sources")
-    for index, (dst, src) in enumerate(zip(targets, sources, strict=True)):
-        if dst.shape != src.shape:
-            raise ValueError(
-                f"ema_update_ pair {index}: target {tuple(dst.shape)} != source {tuple(src.shape)}"
-            )
-        if decay == 0.0:
-            dst.copy_(src)
-        else:
-            dst.mul_(decay).add_(src.to(dst.dtype), alpha=1.0 - decay)
+    with torch.no_grad():  # a decorator would load torch at import (diffrl.lazy)
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EMA decay {decay} must be in [0, 1]")
+        targets, sources = list(targets), list(sources)
+        if len(targets) != len(sources):
+            raise ValueError(f"ema_update_ got {len(targets)} targets for {len(sources)} sources")
+        for index, (dst, src) in enumerate(zip(targets, sources, strict=True)):
+            if dst.shape != src.shape:
+                raise ValueError(
+                    f"ema_update_ pair {index}: target {tuple(dst.shape)} != source {tuple(src.shape)}"
+                )
+            if decay == 0.0:
+                dst.copy_(src)
+            else:
+                dst.mul_(decay).add_(src.to(dst.dtype), alpha=1.0 - decay)
 
 
 # ------------------------------------------------------------------------- timestep subsampling
@@ -309,3 +309,45 @@ def timestep_subset_mask(indices_BK: torch.Tensor, num_steps: int) -> torch.Tens
     """(B, num_steps) bool mask with True at each row's indices (from `timestep_subset`)."""
     mask = torch.zeros(indices_BK.shape[0], num_steps, dtype=torch.bool)
     return mask.scatter_(1, indices_BK.to(torch.int64), True)
+
+
+# ------------------------------------------------------------------------- declaration
+@dataclass
+class NFTSettings:
+    """DiffusionNFT's keys under `actor.loss` (`algorithm.adv_mode` picks how advantages become
+    optimality probabilities)."""
+
+    mix_beta: float = 0.1  # β of the implicit velocities v± around the old policy
+    nft_weight_min: float = 1e-5  # floor of the adaptive per-sample weights
+
+    def validate(self, at: str) -> None:
+        require_positive(f"{at}.mix_beta", self.mix_beta)
+        require_positive(f"{at}.nft_weight_min", self.nft_weight_min)
+
+
+def nft_term(
+    batch: Any, noise: torch.Tensor, sigmas_B: torch.Tensor, cfg: LossConfig, net: Velocities, adv_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The DiffusionNFT loss of a micro-batch of clean samples (`latents`, `cond`, `advantages_B`)
+    at one noise level per sample: v_old, v_ref (when kl_coef > 0), then v_θ."""
+    x_t = interpolate(batch.latents, noise, sigmas_B)
+    v_old = net.old(x_t, sigmas_B, batch.cond)
+    v_ref = net.reference(x_t, sigmas_B, batch.cond) if cfg.kl_coef > 0 else None
+    v = net.trained(x_t, sigmas_B, batch.cond)
+    reward_prob_B = optimality_probability(batch.advantages_B.to(v.device), cfg.adv_clip_max, adv_mode)
+    inputs = NFTInputs(reward_prob_B, batch.latents, x_t, sigmas_B.to(v.device), v_old, v_ref)
+    return DiffusionNFTLoss().compute(inputs, v, cfg)
+
+
+register_algorithm(
+    DirectPreferenceSpec(
+        name="diffusion_nft",
+        loss=DiffusionNFTLoss,
+        settings=NFTSettings,
+        metrics=METRIC_NAMES,
+        term=nft_term,
+        trains_on=SAMPLES,
+        samples_with_old=True,
+        needs_old_adapter=lambda cfg: True,  # its implicit velocities are built around the old policy
+    )
+)

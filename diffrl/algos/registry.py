@@ -1,16 +1,13 @@
-"""Name -> object registries for advantage estimators and losses.
+"""The advantage-estimator registry (the `Registry` class itself lives in `diffrl.registry`).
 
-A config names an algorithm by a stable string (`algorithm.adv_estimator`, `actor.loss.mode`); the
-trainer looks it up here. Registration is explicit, at import time of the module that defines the
-object:
+A config names an object by a stable string (`algorithm.adv_estimator`; `actor.loss.mode` names an
+algorithm declaration, `diffrl.algos.spec`); the trainer looks it up here. Registration is
+explicit, at import time of the module that defines the object:
 
     @register_advantage("flow_grpo")
     def compute_flow_grpo_advantages(rewards_B, uids, cfg): ...
 
-    @register_loss("flow_grpo")
-    class FlowGRPOLoss: ...
-
-`diffrl.algos` imports every built-in algorithm module, so `import diffrl.algos` fills both
+`diffrl.algos` imports every built-in algorithm module, so `import diffrl.algos` fills the
 registries. A user's own algorithm registers the same way from their module, imported before the
 trainer starts. Unknown names raise `ValueError` listing what is registered (with a did-you-mean);
 registering a taken name raises instead of silently replacing the first one.
@@ -18,63 +15,11 @@ registering a taken name raises instead of silently replacing the first one.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """A named table `name -> object` of one kind (`kind` is used in error messages only)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._items: dict[str, T] = {}
-
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator that stores the decorated object under `name` and returns it unchanged."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
-
-        def decorator(obj: T) -> T:
-            if name in self._items:
-                raise ValueError(
-                    f"{self.kind} {name!r} is already registered ({self._items[name]!r}); "
-                    f"refusing to replace it with {obj!r}. Pick another name."
-                )
-            self._items[name] = obj
-            return obj
-
-        return decorator
-
-    def get(self, name: str) -> T:
-        """The object registered as `name`; `ValueError` naming the registered ones otherwise."""
-        try:
-            return self._items[name]
-        except (KeyError, TypeError):
-            pass
-        known = self.names()
-        close = difflib.get_close_matches(str(name), known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown {self.kind} {name!r}.{hint} Registered: {', '.join(known) or '(none)'}.")
-
-    def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._items)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __repr__(self) -> str:
-        return f"Registry({self.kind!r}, {self.names()})"
-
+from diffrl.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
-LOSSES: Registry[type] = Registry("loss")
 
 
 def register_advantage(name: str) -> Callable:
@@ -82,16 +27,6 @@ def register_advantage(name: str) -> Callable:
     return ADVANTAGE_ESTIMATORS.register(name)
 
 
-def register_loss(name: str) -> Callable:
-    """Register a loss class (see `diffrl.algos.base.Loss`); it must construct without arguments."""
-    return LOSSES.register(name)
-
-
 def get_advantage_estimator(name: str) -> Callable:
     """The estimator function registered as `name` (`algorithm.adv_estimator`)."""
     return ADVANTAGE_ESTIMATORS.get(name)
-
-
-def get_loss(name: str):
-    """A new instance of the loss class registered as `name` (`actor.loss.mode`, or "kl")."""
-    return LOSSES.get(name)()

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
+from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
     from diffrl.config.schema import RolloutCorrectionConfig
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 IS_LEVELS = ("none", "step", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")

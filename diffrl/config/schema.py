@@ -12,35 +12,18 @@ The defaults are a GPU-scale Flow-GRPO recipe (the SD3.5-Medium numbers of ALGOR
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any
 
-from diffrl.algos.awm import AWM_WEIGHTINGS
+from diffrl.algos import LOOPS, POLICY_GRADIENT, algorithm, algorithm_settings, algorithms
 from diffrl.algos.kl import KL_STD_CHOICES
 from diffrl.algos.nft import NFT_ADV_MODES
 from diffrl.algos.rollout_correction import IS_LEVELS, IS_MODES, REJECTION_LEVELS, REJECTIONS
+from diffrl.config.checks import ConfigError, require, require_at_least, require_choice, require_positive
 from diffrl.sde import SDE_KINDS
 
-
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the key, the value and what is allowed."""
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
-
-
-def _require_choice(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
-    _require(value in choices, key, value, f"must be one of {', '.join(map(repr, choices))}")
-
-
-def _require_positive(key: str, value: float) -> None:
-    _require(value > 0, key, value, "must be > 0")
-
-
-def _require_at_least(key: str, value: float, low: float) -> None:
-    _require(value >= low, key, value, f"must be >= {low}")
+__all__ = ["ConfigError"]  # re-exported: callers catch it from here
 
 
 def _require_finite(value: Any, at: str) -> None:
@@ -73,16 +56,16 @@ class LoraConfig:
     INITS = ("default", "gaussian")
 
     def validate(self, at: str) -> None:
-        _require_at_least(f"{at}.rank", self.rank, 0)
-        _require_positive(f"{at}.alpha", self.alpha)
+        require_at_least(f"{at}.rank", self.rank, 0)
+        require_positive(f"{at}.alpha", self.alpha)
         if self.target_modules is not None:
-            _require(
+            require(
                 len(self.target_modules) > 0,
                 f"{at}.target_modules",
                 self.target_modules,
                 "must list at least one module name, or be null for the model's defaults",
             )
-        _require_choice(f"{at}.init", self.init, self.INITS)
+        require_choice(f"{at}.init", self.init, self.INITS)
 
 
 @dataclass
@@ -97,11 +80,13 @@ class ModelConfig:
     DTYPES = ("float32", "bfloat16", "float16")
 
     def validate(self, at: str) -> None:
-        from diffusers.models.attention_dispatch import AttentionBackendName
-
-        _require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
+        require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
         self.lora.validate(f"{at}.lora")
-        _require_choice(f"{at}.attn_backend", self.attn_backend, [b.value for b in AttentionBackendName])
+        if self.attn_backend != ModelConfig.attn_backend:
+            # diffusers' list of backends costs seconds of imports; its default needs no check
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            require_choice(f"{at}.attn_backend", self.attn_backend, [b.value for b in AttentionBackendName])
 
 
 # ------------------------------------------------------------------------------------- rollout
@@ -118,10 +103,10 @@ class PipelineConfig:
 
     def validate(self, at: str) -> None:
         for name in ("height", "width", "num_inference_steps", "max_sequence_length", "num_frames"):
-            _require_at_least(f"{at}.{name}", getattr(self, name), 1)
-        _require_at_least(f"{at}.guidance_scale", self.guidance_scale, 0.0)
+            require_at_least(f"{at}.{name}", getattr(self, name), 1)
+        require_at_least(f"{at}.guidance_scale", self.guidance_scale, 0.0)
         if self.true_cfg_scale is not None:
-            _require_at_least(f"{at}.true_cfg_scale", self.true_cfg_scale, 1.0)
+            require_at_least(f"{at}.true_cfg_scale", self.true_cfg_scale, 1.0)
 
 
 @dataclass
@@ -137,31 +122,31 @@ class SdeConfig:
     STRATEGIES = ("random", "progressive")
 
     def validate(self, at: str) -> None:
-        _require_choice(f"{at}.type", self.type, self.TYPES)
-        _require(
+        require_choice(f"{at}.type", self.type, self.TYPES)
+        require(
             self.noise_level > 0,
             f"{at}.noise_level",
             self.noise_level,
             "must be > 0 (the SDE needs noise to have log-probabilities; validation uses rollout.val.noise_level)",
         )
         if self.type == "cps":
-            _require(
+            require(
                 self.noise_level <= 1,
                 f"{at}.noise_level",
                 self.noise_level,
                 "must be <= 1 for type=cps (its std is σ'·sin(η·π/2), which folds back above 1)",
             )
         if self.window_size is not None:
-            _require_at_least(f"{at}.window_size", self.window_size, 1)
+            require_at_least(f"{at}.window_size", self.window_size, 1)
         if self.window_range is not None:
-            _require(
+            require(
                 len(self.window_range) == 2 and 0 <= self.window_range[0] < self.window_range[1],
                 f"{at}.window_range",
                 self.window_range,
                 "must be [lo, hi) with 0 <= lo < hi (step indices), or null for all steps",
             )
-        _require_choice(f"{at}.window_strategy", self.window_strategy, self.STRATEGIES)
-        _require_at_least(f"{at}.iters_per_group", self.iters_per_group, 1)
+        require_choice(f"{at}.window_strategy", self.window_strategy, self.STRATEGIES)
+        require_at_least(f"{at}.iters_per_group", self.iters_per_group, 1)
 
 
 @dataclass
@@ -172,11 +157,11 @@ class ValidationConfig:
     noise_level: float = 0.0  # 0 = the deterministic ODE sampler
 
     def validate(self, at: str) -> None:
-        _require_at_least(f"{at}.n", self.n, 1)
-        _require_at_least(f"{at}.seed", self.seed, 0)
+        require_at_least(f"{at}.n", self.n, 1)
+        require_at_least(f"{at}.seed", self.seed, 0)
         if self.num_inference_steps is not None:
-            _require_at_least(f"{at}.num_inference_steps", self.num_inference_steps, 1)
-        _require_at_least(f"{at}.noise_level", self.noise_level, 0.0)
+            require_at_least(f"{at}.num_inference_steps", self.num_inference_steps, 1)
+        require_at_least(f"{at}.noise_level", self.noise_level, 0.0)
 
 
 @dataclass
@@ -192,22 +177,22 @@ class RolloutConfig:
     val: ValidationConfig = field(default_factory=ValidationConfig)
 
     def validate(self, at: str) -> None:
-        _require_at_least(f"{at}.n", self.n, 1)
-        _require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
+        require_at_least(f"{at}.n", self.n, 1)
+        require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
         if self.seed is not None:
-            _require_at_least(f"{at}.seed", self.seed, 0)
+            require_at_least(f"{at}.seed", self.seed, 0)
         self.pipeline.validate(f"{at}.pipeline")
         self.sde.validate(f"{at}.sde")
         self.val.validate(f"{at}.val")
         steps = self.pipeline.num_inference_steps
         lo, hi = self.sde_window_range
-        _require(
+        require(
             hi <= steps,
             f"{at}.sde.window_range",
             self.sde.window_range,
             f"must end at or before rollout.pipeline.num_inference_steps={steps}",
         )
-        _require(
+        require(
             self.sde_window_size <= hi - lo,
             f"{at}.sde.window_size",
             self.sde.window_size,
@@ -244,65 +229,69 @@ class OptimConfig:
     SCHEDULERS = ("constant", "cosine", "linear")
 
     def validate(self, at: str) -> None:
-        _require_positive(f"{at}.lr", self.lr)
-        _require(
+        require_positive(f"{at}.lr", self.lr)
+        require(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
             f"{at}.betas",
             self.betas,
             "must be two numbers in [0, 1), e.g. [0.9, 0.999]",
         )
-        _require_at_least(f"{at}.weight_decay", self.weight_decay, 0.0)
-        _require_positive(f"{at}.eps", self.eps)
+        require_at_least(f"{at}.weight_decay", self.weight_decay, 0.0)
+        require_positive(f"{at}.eps", self.eps)
         if self.clip_grad is not None:
-            _require_positive(f"{at}.clip_grad", self.clip_grad)
-        _require_choice(f"{at}.scheduler", self.scheduler, self.SCHEDULERS)
-        _require_at_least(f"{at}.warmup_steps", self.warmup_steps, 0)
+            require_positive(f"{at}.clip_grad", self.clip_grad)
+        require_choice(f"{at}.scheduler", self.scheduler, self.SCHEDULERS)
+        require_at_least(f"{at}.warmup_steps", self.warmup_steps, 0)
 
 
 @dataclass
-class LossConfig:
-    mode: str = "flow_grpo"  # a registered loss (diffrl.algos)
+class SharedLossConfig:
+    """The `actor.loss` keys every algorithm may read; each algorithm's own keys follow them (`LossConfig`)."""
+
+    mode: str = "flow_grpo"  # the algorithm (diffrl.algos); algorithm.trainer_type is the loop it needs
     clip_ratio: float = 1e-4  # PPO ε on the per-element-averaged log-prob ratio
     adv_clip_max: float = 5.0  # advantages are clamped to ±adv_clip_max inside the loss
     kl_coef: float = 0.0  # β of the KL-to-reference term; 0 = no reference pass
     kl_std: str = "sde"  # sde: divide by std_dev_t² (Flow-GRPO); transition: by the exact (s·sqrt(-dt))²
-    # flow_dppo: drop a sample's term once D(μ_θ, μ_old) ≥ kl_mask_threshold and it moves further out
-    kl_mask_threshold: float = 1e-5
-    add_kl_coefficient: bool = True  # flow_dppo: D divides by the transition variance (false: by 1)
-    # diffusion_nft
-    mix_beta: float = 0.1  # β of the implicit velocities v± around the old policy
-    nft_weight_min: float = 1e-5  # floor of the adaptive per-sample weights
-    # dpo
-    dpo_beta: float = 2000.0  # β of Diffusion-DPO (recipes use 100 to 5000)
-    # awm
-    awm_weighting: str = "uniform"  # uniform, sigma, sigma_sq or ghuber (see diffrl.algos.awm)
-    awm_ghuber_power: float = 0.25  # p of the ghuber weighting
-    awm_ema_kl_coef: float = 0.0  # KL of the velocity to the `old` (EMA) adapter
 
     def validate(self, at: str) -> None:
-        from diffrl.algos import get_loss
-
         try:
-            get_loss(self.mode)
+            algorithm(self.mode)
         except ValueError as err:
             raise ConfigError(f"{at}.mode={self.mode!r} is invalid: {err}") from None
-        _require(
-            self.mode != "kl",
-            f"{at}.mode",
-            self.mode,
-            "kl is the KL-to-reference term, not a policy loss: choose a policy loss and set actor.loss.kl_coef",
-        )
-        _require_positive(f"{at}.clip_ratio", self.clip_ratio)
-        _require_positive(f"{at}.adv_clip_max", self.adv_clip_max)
-        _require_at_least(f"{at}.kl_coef", self.kl_coef, 0.0)
-        _require_choice(f"{at}.kl_std", self.kl_std, KL_STD_CHOICES)
-        _require_positive(f"{at}.kl_mask_threshold", self.kl_mask_threshold)
-        _require_positive(f"{at}.mix_beta", self.mix_beta)
-        _require_positive(f"{at}.nft_weight_min", self.nft_weight_min)
-        _require_positive(f"{at}.dpo_beta", self.dpo_beta)
-        _require_choice(f"{at}.awm_weighting", self.awm_weighting, AWM_WEIGHTINGS)
-        _require_positive(f"{at}.awm_ghuber_power", self.awm_ghuber_power)
-        _require_at_least(f"{at}.awm_ema_kl_coef", self.awm_ema_kl_coef, 0.0)
+        require_positive(f"{at}.clip_ratio", self.clip_ratio)
+        require_positive(f"{at}.adv_clip_max", self.adv_clip_max)
+        require_at_least(f"{at}.kl_coef", self.kl_coef, 0.0)
+        require_choice(f"{at}.kl_std", self.kl_std, KL_STD_CHOICES)
+        # every algorithm's keys, not only the chosen one's: a wrong value is wrong whatever the mode
+        for spec in algorithms():
+            settings = algorithm_settings(spec, self)
+            if settings is not None:
+                settings.validate(at)
+
+
+def _compose_loss_config() -> type:
+    """`actor.loss`: the shared keys, then each registered algorithm's settings in registration
+    order (`AlgorithmSpec.settings`), flat, as VeRL-Omni's loss config spells them (`dpo_beta`,
+    `mix_beta`, ...). A new algorithm's keys appear here by registering it; nothing to edit."""
+    own = []
+    for spec in algorithms():
+        if spec.settings is None:
+            continue
+        types = typing.get_type_hints(spec.settings)  # real types: OmegaConf checks overrides with them
+        own += [(f.name, types[f.name], field(default=f.default)) for f in fields(spec.settings)]
+    return make_dataclass(
+        "LossConfig",
+        own,
+        bases=(SharedLossConfig,),
+        namespace={
+            "__module__": __name__,
+            "__doc__": "`actor.loss`: shared keys + each algorithm's settings.",
+        },
+    )
+
+
+LossConfig = _compose_loss_config()
 
 
 @dataclass
@@ -320,10 +309,10 @@ class ActorConfig:
     STRATEGIES = ("fsdp2", "none")
 
     def validate(self, at: str) -> None:
-        _require_choice(f"{at}.strategy", self.strategy, self.STRATEGIES)
-        _require_at_least(f"{at}.mini_batch_size", self.mini_batch_size, 1)
-        _require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
-        _require_at_least(f"{at}.epochs", self.epochs, 1)
+        require_choice(f"{at}.strategy", self.strategy, self.STRATEGIES)
+        require_at_least(f"{at}.mini_batch_size", self.mini_batch_size, 1)
+        require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
+        require_at_least(f"{at}.epochs", self.epochs, 1)
         self.optim.validate(f"{at}.optim")
         self.loss.validate(f"{at}.loss")
 
@@ -340,10 +329,10 @@ class OldPolicyConfig:
     SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
 
     def validate(self, at: str) -> None:
-        _require_choice(f"{at}.schedule", self.schedule, self.SCHEDULES)
+        require_choice(f"{at}.schedule", self.schedule, self.SCHEDULES)
         if self.decay is not None:
-            _require(0.0 <= self.decay <= 1.0, f"{at}.decay", self.decay, "must be in [0, 1], or null")
-        _require_at_least(f"{at}.update_interval", self.update_interval, 1)
+            require(0.0 <= self.decay <= 1.0, f"{at}.decay", self.decay, "must be in [0, 1], or null")
+        require_at_least(f"{at}.update_interval", self.update_interval, 1)
 
 
 @dataclass
@@ -365,19 +354,19 @@ class RolloutCorrectionConfig:
     REJECTIONS = REJECTIONS
 
     def validate(self, at: str) -> None:
-        _require_choice(f"{at}.is_level", self.is_level, self.IS_LEVELS)
-        _require_choice(f"{at}.is_mode", self.is_mode, self.IS_MODES)
-        _require_positive(f"{at}.is_threshold", self.is_threshold)
-        _require(
+        require_choice(f"{at}.is_level", self.is_level, self.IS_LEVELS)
+        require_choice(f"{at}.is_mode", self.is_mode, self.IS_MODES)
+        require_positive(f"{at}.is_threshold", self.is_threshold)
+        require(
             0.0 <= self.is_lower < self.is_threshold,
             f"{at}.is_lower",
             self.is_lower,
             f"must be in [0, is_threshold={self.is_threshold})",
         )
-        _require_choice(f"{at}.rejection", self.rejection, self.REJECTIONS)
-        _require_positive(f"{at}.rejection_threshold", self.rejection_threshold)
-        _require_choice(f"{at}.rejection_level", self.rejection_level, self.REJECTION_LEVELS)
-        _require(
+        require_choice(f"{at}.rejection", self.rejection, self.REJECTIONS)
+        require_positive(f"{at}.rejection_threshold", self.rejection_threshold)
+        require_choice(f"{at}.rejection_level", self.rejection_level, self.REJECTION_LEVELS)
+        require(
             not (self.rejection == "k1" and self.rejection_level == "sequence_max"),
             f"{at}.rejection_level",
             self.rejection_level,
@@ -402,21 +391,21 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     OLD_LOG_PROBS = ("auto", "recompute", "rollout")
-    TRAINER_TYPES = ("policy_gradient", "direct_preference")
+    TRAINER_TYPES = LOOPS
     SAMPLE_SOURCES = ("online", "offline")
 
     def validate(self, at: str) -> None:
         from diffrl.algos import get_advantage_estimator
 
-        _require_choice(f"{at}.trainer_type", self.trainer_type, self.TRAINER_TYPES)
-        _require_choice(f"{at}.sample_source", self.sample_source, self.SAMPLE_SOURCES)
-        _require_choice(f"{at}.old_log_probs", self.old_log_probs, self.OLD_LOG_PROBS)
-        _require_choice(f"{at}.adv_mode", self.adv_mode, NFT_ADV_MODES)
+        require_choice(f"{at}.trainer_type", self.trainer_type, self.TRAINER_TYPES)
+        require_choice(f"{at}.sample_source", self.sample_source, self.SAMPLE_SOURCES)
+        require_choice(f"{at}.old_log_probs", self.old_log_probs, self.OLD_LOG_PROBS)
+        require_choice(f"{at}.adv_mode", self.adv_mode, NFT_ADV_MODES)
         try:
             get_advantage_estimator(self.adv_estimator)
         except ValueError as err:
             raise ConfigError(f"{at}.adv_estimator={self.adv_estimator!r} is invalid: {err}") from None
-        _require(
+        require(
             0.0 < self.timestep_fraction <= 1.0,
             f"{at}.timestep_fraction",
             self.timestep_fraction,
@@ -450,9 +439,9 @@ class RewardConfig:
                 reward_specs(self.functions)  # names, args and weights, without loading any model
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        _require_at_least(f"{at}.workers", self.workers, 1)
-        _require_positive(f"{at}.cpus_per_worker", self.cpus_per_worker)
-        _require_at_least(f"{at}.gpus_per_worker", self.gpus_per_worker, 0.0)
+        require_at_least(f"{at}.workers", self.workers, 1)
+        require_positive(f"{at}.cpus_per_worker", self.cpus_per_worker)
+        require_at_least(f"{at}.gpus_per_worker", self.gpus_per_worker, 0.0)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -470,18 +459,18 @@ class DataConfig:
     seed: int | None = None  # null = trainer.seed
 
     def validate(self, at: str) -> None:
-        _require_at_least(f"{at}.prompts_per_step", self.prompts_per_step, 1)
+        require_at_least(f"{at}.prompts_per_step", self.prompts_per_step, 1)
         for key in ("prompt_key", "chosen_key", "rejected_key"):
             value = getattr(self, key)
-            _require(bool(value), f"{at}.{key}", value, "must be a non-empty column name")
-        _require(
+            require(bool(value), f"{at}.{key}", value, "must be a non-empty column name")
+        require(
             self.chosen_key != self.rejected_key,
             f"{at}.rejected_key",
             self.rejected_key,
             f"must differ from {at}.chosen_key: the two images of a pair are in different columns",
         )
         if self.seed is not None:
-            _require_at_least(f"{at}.seed", self.seed, 0)
+            require_at_least(f"{at}.seed", self.seed, 0)
 
 
 # ----------------------------------------------------------------------------------------- sft
@@ -501,13 +490,13 @@ class SftConfig:
     WEIGHTING_SCHEMES = ("logit_normal", "mode", "uniform", "sigma_sqrt", "cosmap")
 
     def validate(self, at: str) -> None:
-        _require(bool(self.images), f"{at}.images", self.images, "must name an image column, or be 'shapes'")
-        _require_choice(f"{at}.weighting_scheme", self.weighting_scheme, self.WEIGHTING_SCHEMES)
-        _require_positive(f"{at}.logit_std", self.logit_std)
-        _require(
+        require(bool(self.images), f"{at}.images", self.images, "must name an image column, or be 'shapes'")
+        require_choice(f"{at}.weighting_scheme", self.weighting_scheme, self.WEIGHTING_SCHEMES)
+        require_positive(f"{at}.logit_std", self.logit_std)
+        require(
             0.0 <= self.prompt_dropout < 1.0, f"{at}.prompt_dropout", self.prompt_dropout, "must be in [0, 1)"
         )
-        _require_at_least(f"{at}.data_workers", self.data_workers, 0)
+        require_at_least(f"{at}.data_workers", self.data_workers, 0)
 
 
 # ------------------------------------------------------------------------------------- trainer
@@ -538,20 +527,20 @@ class TrainerConfig:
             self.resume = "auto"
 
     def validate(self, at: str) -> None:
-        _require_at_least(f"{at}.total_steps", self.total_steps, 1)
-        _require_at_least(f"{at}.save_freq", self.save_freq, 0)
-        _require_at_least(f"{at}.test_freq", self.test_freq, 0)
-        _require(bool(self.resume), f"{at}.resume", self.resume, "must be auto, off, or a checkpoint path")
-        _require_at_least(f"{at}.keep_checkpoints", self.keep_checkpoints, 1)
+        require_at_least(f"{at}.total_steps", self.total_steps, 1)
+        require_at_least(f"{at}.save_freq", self.save_freq, 0)
+        require_at_least(f"{at}.test_freq", self.test_freq, 0)
+        require(bool(self.resume), f"{at}.resume", self.resume, "must be auto, off, or a checkpoint path")
+        require_at_least(f"{at}.keep_checkpoints", self.keep_checkpoints, 1)
         for logger in self.loggers:
-            _require_choice(f"{at}.loggers", logger, self.LOGGERS)
-        _require_at_least(f"{at}.n_gpus_per_node", self.n_gpus_per_node, 1)
-        _require_at_least(f"{at}.nnodes", self.nnodes, 1)
-        _require_at_least(f"{at}.seed", self.seed, 0)
-        _require_at_least(f"{at}.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+            require_choice(f"{at}.loggers", logger, self.LOGGERS)
+        require_at_least(f"{at}.n_gpus_per_node", self.n_gpus_per_node, 1)
+        require_at_least(f"{at}.nnodes", self.nnodes, 1)
+        require_at_least(f"{at}.seed", self.seed, 0)
+        require_at_least(f"{at}.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         if self.run_name is not None:
             # The run folder is output_dir/run_name: a separator or '..' would write elsewhere.
-            _require(
+            require(
                 bool(self.run_name)
                 and self.run_name not in (".", "..")
                 and not any(sep in self.run_name for sep in ("/", "\\", "\0")),
@@ -579,7 +568,7 @@ class Config:
     def validate(self, job: str = "train") -> Config:
         """Check every section, then the rules that span sections for `job` (`train`: RL batch
         arithmetic; `sft`: images per step over micro-batches; `eval`: neither); returns self."""
-        _require_choice("job", job, self.JOBS)
+        require_choice("job", job, self.JOBS)
         _require_finite(self, "")
         for section in fields(self):
             getattr(self, section.name).validate(section.name)
@@ -587,7 +576,7 @@ class Config:
         if job == "eval":
             return self
         if job == "sft":
-            _require(
+            require(
                 self.data.prompts_per_step % (micro * self.world_size) == 0,
                 "data.prompts_per_step",
                 self.data.prompts_per_step,
@@ -596,15 +585,15 @@ class Config:
             )
             return self
         if self.algorithm.sample_source == "online":
-            _require(
+            require(
                 n >= 2,
                 "rollout.n",
                 n,
                 "must be >= 2 when training on rollouts: advantages (and DPO's pairs) compare the "
                 "samples of one prompt",
             )
-        if self.algorithm.trainer_type == "policy_gradient":
-            _require(
+        if self.algorithm.trainer_type == POLICY_GRADIENT:
+            require(
                 self.algorithm.sample_source == "online",
                 "algorithm.sample_source",
                 self.algorithm.sample_source,
@@ -614,7 +603,7 @@ class Config:
             )
             rc = self.algorithm.rollout_correction
             reuses = self.reuses_rollout_log_probs
-            _require(
+            require(
                 not (reuses and (rc.is_level != "none" or rc.rejection != "none")),
                 "algorithm.rollout_correction",
                 f"is_level={rc.is_level}, rejection={rc.rejection}",
@@ -622,32 +611,32 @@ class Config:
                 f"{self.algorithm.old_log_probs}): there is no second log-prob to correct against. Set "
                 "algorithm.old_log_probs=recompute, or leave is_level and rejection at none",
             )
-        _require(
+        require(
             self.world_size == 1 or self.actor.strategy == "fsdp2",
             "actor.strategy",
             self.actor.strategy,
             f"must be fsdp2 with {self.world_size} workers (trainer.n_gpus_per_node × trainer.nnodes): "
             "without it each worker would train its own copy",
         )
-        _require(
+        require(
             self.data.prompts_per_step % self.world_size == 0,
             "data.prompts_per_step",
             self.data.prompts_per_step,
             f"must be a multiple of the {self.world_size} worker(s): each worker samples whole prompt groups",
         )
-        _require(
+        require(
             mini % n == 0,
             "actor.mini_batch_size",
             mini,
             f"must be a multiple of rollout.n={n} (all samples of a prompt stay in one mini-batch)",
         )
-        _require(
+        require(
             self.images_per_step % mini == 0,
             "actor.mini_batch_size",
             mini,
             f"must divide the trajectories per step, data.prompts_per_step × rollout.n = {self.images_per_step}",
         )
-        _require(
+        require(
             mini % (micro * self.world_size) == 0,
             "actor.micro_batch_size",
             micro,

@@ -54,6 +54,45 @@ class PromptEmbeds:
     def has_negative(self) -> bool:
         return self.negative_embeds is not None
 
+    @staticmethod
+    def cat_padded(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
+        """Concatenate prompt tables whose text lengths may differ: a family that pads each batch of
+        prompts to its longest (Qwen-Image) gives tables of different lengths, so right-pad with
+        zeros to the longest overall and extend the masks with zeros (padded keys are masked out,
+        so the model computes the same thing)."""
+        lengths = {p.embeds.shape[1] for p in parts} | {
+            p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None
+        }
+        if len(lengths) == 1:
+            return torch.cat(list(parts))
+        if any(p.mask is None for p in parts):
+            raise ValueError(
+                f"prompt embeddings of different text lengths {sorted(lengths)} without attention "
+                "masks: this family must pad every prompt to rollout.pipeline.max_sequence_length"
+            )
+        length = max(lengths)
+        padded = []
+        for p in parts:
+            negative = p.negative_embeds is not None
+            padded.append(
+                PromptEmbeds(
+                    embeds=_pad_tokens(p.embeds, length),
+                    mask=_pad_tokens(p.mask, length),
+                    pooled=p.pooled,
+                    negative_embeds=_pad_tokens(p.negative_embeds, length) if negative else None,
+                    negative_mask=_pad_tokens(p.negative_mask, length) if negative else None,
+                    negative_pooled=p.negative_pooled,
+                    batch_size=p.batch_size,
+                )
+            )
+        return torch.cat(padded)
+
+
+def _pad_tokens(values: torch.Tensor, length: int) -> torch.Tensor:
+    """Right-pad dim 1 (tokens) with zeros to `length`."""
+    pad = [0, 0] * (values.dim() - 2) + [0, length - values.shape[1]]
+    return torch.nn.functional.pad(values, pad)
+
 
 class ModelAdapter(ABC):
     """One model family. Subclasses set the class attributes and implement the abstract methods."""

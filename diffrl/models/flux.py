@@ -153,6 +153,9 @@ class FluxAdapter(ModelAdapter):
         which it runs as two calls). Otherwise one conditional pass (v_u + 1·(v_c − v_u) = v_c).
         """
         timestep_B = self._velocity_inputs(latents, timestep_B, cond, height, width, num_frames)
+        # CFG as one batched call ([negatives; prompts], then chunk and combine): the same block is in
+        # sd3.py, qwen_image.py, wan.py. The families differ in their inputs and combine rule (here:
+        # true CFG; guidance_scale is the distilled guidance embedding), so each keeps its own copy.
         do_cfg = cond.has_negative and self.wants_negative(guidance_scale, true_cfg_scale)
 
         hidden = latents.to(self.device, self.dtype)

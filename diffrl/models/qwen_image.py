@@ -207,6 +207,9 @@ class QwenImageAdapter(ModelAdapter):
         batch = latents.shape[0]
         hidden_states = latents.to(self.device, self.dtype)
         timestep = torch.as_tensor(timestep_B, device=self.device).to(self.dtype).expand(batch)
+        # CFG as one batched call ([negatives; prompts], then chunk and combine): the same block is
+        # in sd3.py, flux.py, wan.py. The families differ in their inputs and combine rule
+        # (here: true CFG with norm rescale), so each adapter keeps its own copy.
         do_cfg = cond.has_negative and self.wants_negative(guidance_scale, true_cfg_scale)
         if do_cfg:
             length = max(cond.embeds.shape[1], cond.negative_embeds.shape[1])

@@ -159,6 +159,9 @@ class SD3Adapter(ModelAdapter):
 
         x = latents.to(self.device, self.dtype)
         embeds, pooled = cond.embeds, cond.pooled
+        # CFG as one batched call ([negatives; prompts], then chunk and combine): the same block is
+        # in flux.py, qwen_image.py, wan.py. The families differ in their inputs and combine rule
+        # (here: standard CFG), so each adapter keeps its own copy.
         do_cfg = cond.has_negative and guidance_scale > 1
         if do_cfg:
             x = torch.cat([x, x])

@@ -149,6 +149,9 @@ class WanAdapter(ModelAdapter):
         hidden = latents.to(self.device, self.dtype)
         timestep = self._model_timestep(timestep_B, latents)
         embeds = cond.embeds.to(self.device, self.dtype)
+        # CFG as one batched call ([negatives; prompts], then chunk and combine): the same block is
+        # in sd3.py, flux.py, qwen_image.py. The families differ in their inputs and combine rule
+        # (here: standard CFG), so each adapter keeps its own copy.
         cfg = cond.has_negative and self.wants_negative(guidance_scale)
         if cfg:
             negative = cond.negative_embeds.to(self.device, self.dtype)

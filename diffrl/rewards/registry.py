@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from diffrl.algos.registry import Registry
+from diffrl.registry import Registry
 from diffrl.rewards.base import Reward
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")

@@ -1,15 +1,6 @@
-"""Rollout: the batched trajectory sampler, the `Rollout` batch, SDE windows, step re-evaluation."""
+"""Rollout: the batched trajectory sampler and SDE windows (the `Rollout` batch: diffrl.transition)."""
 
-from diffrl.rollout.sampler import TrajectorySampler, evaluate_step, evaluate_window
-from diffrl.rollout.types import Rollout, RolloutSettings, Trajectories
+from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.rollout.window import window_start
 
-__all__ = [
-    "Rollout",
-    "RolloutSettings",
-    "Trajectories",
-    "TrajectorySampler",
-    "evaluate_step",
-    "evaluate_window",
-    "window_start",
-]
+__all__ = ["TrajectorySampler", "window_start"]

@@ -1,4 +1,4 @@
-"""Batched trajectory sampler: prompts -> `Rollout` with log-probabilities, and step re-evaluation.
+"""Batched trajectory sampler: prompts -> `Rollout` (diffrl.transition) with log-probabilities.
 
 For B prompts × n samples the sampler encodes each unique prompt once, then denoises micro-batches
 of (prompt, sample) pairs: one batched transformer call per step (CFG inside it), SDE steps inside
@@ -7,9 +7,8 @@ draws its initial noise and its SDE noise from its own generator seeded by (seed
 rollout is identical whatever the micro-batch size. With `rollout.same_group_noise` (DanceGRPO)
 the initial noise comes from the prompt group's own generator instead, the same for all n samples.
 
-`evaluate_step` is the trainer's half: it recomputes one window step of stored trajectories with
-the current weights through the same adapter call and the same step function, so with unchanged
-weights it reproduces the sampled log-probs exactly.
+The trainer re-evaluates the stored steps with `diffrl.transition.evaluate_step`, through the same
+adapter call and the same step function.
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffrl import sde
 from diffrl.config.schema import RolloutConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
-from diffrl.rollout.types import Rollout, RolloutSettings, Trajectories
 from diffrl.rollout.window import window_start
 from diffrl.seeding import GROUP_NOISE_STREAM, NOISE_STREAM, generator
+from diffrl.transition import Rollout, RolloutSettings, Trajectories
 
 OnDecoded = Callable[[Trajectories], None]
 
@@ -330,53 +329,3 @@ def _cat_steps(parts: list[sde.StepOut]) -> sde.StepOut:
 
 def _stack_or_empty(values: list[torch.Tensor], batch: int) -> torch.Tensor:
     return torch.stack(values, dim=1) if values else torch.zeros(batch, 0)
-
-
-@torch.no_grad()
-def evaluate_window(
-    adapter: ModelAdapter, rollout: Rollout, micro_batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log_probs_BW, means [B, W, ...]) of every window step, micro-batch by micro-batch, no grad."""
-    log_probs, means = [], []
-    for start in range(0, len(rollout), micro_batch_size):
-        mb = rollout.select(slice(start, start + micro_batch_size))
-        outs = [evaluate_step(adapter, mb, j) for j in range(rollout.window_size)]
-        log_probs.append(torch.stack([o.log_prob_B for o in outs], dim=1))
-        means.append(torch.stack([o.mean for o in outs], dim=1))
-    return torch.cat(log_probs), torch.cat(means)
-
-
-def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOut:
-    """Re-evaluate window step j of `rollout`'s samples with the adapter's current weights.
-
-    Recomputes the velocity at the stored x_{k0+j} (CFG as sampled), then the SDE mean, std and the
-    log-prob of the stored x_{k0+j+1}. Grad flows when enabled (the trainer's path); which LoRA
-    adapters are active is the caller's context.
-    """
-    s = rollout.settings
-    if not 0 <= j < rollout.window_size:
-        raise IndexError(f"window step {j} out of range: the rollout has {rollout.window_size} window steps")
-    device = adapter.device
-    latents = rollout.samples.window_latents[:, j].to(device)
-    next_latents = rollout.samples.window_latents[:, j + 1].to(device)
-    batch = latents.shape[0]
-    v = adapter.velocity(
-        latents,
-        rollout.timesteps[j].to(device).expand(batch),
-        rollout.sample_cond(),
-        s.guidance_scale,
-        height=s.height,
-        width=s.width,
-        num_frames=s.num_frames,
-        true_cfg_scale=s.true_cfg_scale,
-    )
-    return sde.step(
-        s.sde_type,
-        latents,
-        v,
-        rollout.sigmas[j].to(device),
-        rollout.sigmas[j + 1].to(device),
-        s.noise_level,
-        sigma_1=s.sigma_1,
-        next_latents=next_latents,
-    )

@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation (MFU) and peak memory.
+"""Model FLOPs utilisation (MFU), the FLOPs of a step's phases, and peak memory.
 
 MFU of a phase = model FLOPs of the phase (the adapters' analytic count: `flops_per_forward`, a
 backward counted as 2× a forward, or 1× when only LoRA weights train) / (phase wall seconds × GPUs ×
@@ -21,8 +21,13 @@ import re
 import resource
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from diffrl.config.schema import Config
+    from diffrl.models.base import ModelAdapter
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, FLOP/s, from the vendors' datasheets.
 # Matched in order against the upper-cased device name (first match wins), so specific
@@ -121,6 +126,40 @@ def mfu_metrics(
             raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
         out["perf/mfu/step"] = sum(flops_by_phase.values()) / (step_seconds * gpus * peak)
     return out
+
+
+def phase_flops(
+    adapter: ModelAdapter,
+    cfg: Config,
+    *,
+    images: int,
+    window: int,
+    text_len: int,
+    recompute_old: bool,
+    trains_base_weights: bool,
+) -> dict[str, float]:
+    """Model FLOPs of one policy-gradient step's phases for `images` trajectories (all workers).
+
+    gen: every denoising step; old_log_prob / ref: a forward per window step; update_actor: a
+    forward and a backward per window step and epoch (2× forward with frozen base weights under
+    LoRA, 3× when the base weights train too). CFG doubles every forward when it is on; `text_len`
+    is the prompt embeddings' token count.
+    """
+    pipe = cfg.rollout.pipeline
+    cfg_factor = 2 if adapter.wants_negative(pipe.guidance_scale, pipe.true_cfg_scale) else 1
+    forward = adapter.flops_per_forward(
+        images * cfg_factor, pipe.height, pipe.width, text_len, pipe.num_frames
+    )
+    backward = 2.0 if trains_base_weights else 1.0
+    flops = {
+        "gen": forward * pipe.num_inference_steps,
+        "update_actor": forward * window * cfg.actor.epochs * (1.0 + backward),
+    }
+    if recompute_old:
+        flops["old_log_prob"] = forward * window
+    if cfg.actor.loss.kl_coef > 0:
+        flops["ref"] = forward * window
+    return flops
 
 
 def max_rss_gb() -> float:

@@ -1,13 +1,18 @@
 """The training engine: one model adapter's transformer, its LoRA adapters, optimizer and updates.
 
-It takes `Rollout` micro-batches (annotated by the trainer with advantages, and old log-probs or
-reference means when those are recomputed) and a registered loss, and updates the policy:
+Every algorithm's backward passes go through one routine, `accumulate`: a list of gradient terms
+(a forward returning a loss, and the term's share of the optimizer step's mean), backward each,
+gradient sync only after the last. The policy-gradient terms are built here from
+`PolicyGradientBatch` micro-batches (rollout slices with the controller's training targets):
 
     for each micro-batch, for each trained window step j:
-        recompute velocity -> SDE mean, std, log-prob of the stored x_{j+1}   (rollout.evaluate_step)
+        recompute velocity -> SDE mean, std, log-prob of the stored x_{j+1}   (transition.evaluate_step)
         loss = registered loss (+ kl_coef · KL to the reference)
         backward(loss / (micro-batches × window steps))
     optim_step(): clip, skip if the gradient norm is not finite, AdamW, LR schedule
+
+The forward-process losses (NFT, AWM, DPO: diffrl.train.preference) and supervised flow matching
+(`flow_matching_backward`) build their own terms.
 
 Policies: LoRA "default" (trained), optional "old" (a frozen copy refreshed by copy or EMA, for
 DiffusionNFT-style methods), and the reference = all adapters disabled. With `model.lora.rank = 0`
@@ -22,21 +27,22 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from diffusers.training_utils import cast_training_params
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import KLLoss, LossInputs, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
-from diffrl.rollout.sampler import evaluate_step, evaluate_window
-from diffrl.rollout.types import Rollout
+from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.lora import inject_lora
+from diffrl.transition import Rollout, evaluate_step, evaluate_window
 
 POLICY = "default"
 # Model timesteps are 1000·σ in every flow-matching family diffrl supports (Schedule.timesteps).
@@ -60,6 +66,21 @@ class FlowMatchingBatch:
     height: int
     width: int
     num_frames: int = 1
+
+
+@dataclass(frozen=True)
+class GradientTerm:
+    """One backward pass of an optimizer step (see `TrainEngine.accumulate`).
+
+    forward:       computes (scalar loss, metrics) with grad; called once, in order
+    grad_scale:    the term's share of the step's mean loss: the gradient is Σ grad_scale · ∇loss
+    metric_weight: the weight of its loss and metrics in the returned ones; None leaves them out
+                   (padding that only keeps every worker making the same collective calls)
+    """
+
+    forward: Callable[[], tuple[torch.Tensor, dict[str, float]]]
+    grad_scale: float
+    metric_weight: float | None = 1.0
 
 
 def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int):
@@ -97,8 +118,10 @@ class TrainEngine:
         self.adapter = adapter
         self.model_cfg = model_cfg
         self.cfg = actor_cfg
-        self.loss_fn = get_loss(actor_cfg.loss.mode)
-        self.kl_fn = get_loss("kl") if actor_cfg.loss.kl_coef > 0 else None
+        spec = algorithm(actor_cfg.loss.mode)
+        self.loss_fn = spec.loss()
+        self.kl_fn = KLLoss() if actor_cfg.loss.kl_coef > 0 else None
+        self.needs_old_mean = isinstance(spec, PolicyGradientSpec) and spec.needs_old_mean
         self.lora = model_cfg.lora.rank > 0
         self.optim_steps = 0
         self.skipped_steps = 0
@@ -117,8 +140,7 @@ class TrainEngine:
                 raise ValueError("an `old` policy needs LoRA adapters: set model.lora.rank > 0")
             transformer.requires_grad_(True)
             if with_reference if with_reference is not None else actor_cfg.loss.kl_coef > 0:
-                # A frozen copy of the base weights, on the same device (ReferenceWorker puts one on
-                # its own GPU instead).
+                # A frozen copy of the base weights, on the same device.
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
@@ -211,72 +233,77 @@ class TrainEngine:
             d.mul_(decay).add_(s, alpha=1.0 - decay)
 
     # ------------------------------------------------------------------------------ updates
-    def forward_backward(
-        self, micro_batches: Sequence[Rollout], window_steps: Sequence[int] | None = None
-    ) -> dict[str, float]:
-        """Accumulate the loss gradient of one mini-batch; returns metrics averaged over its terms.
+    def accumulate(self, terms: Sequence[GradientTerm], *, metrics_divisor: float = 1.0) -> dict[str, float]:
+        """Accumulate the gradient of one worker's share of an optimizer step: every algorithm's
+        backward passes go through here.
 
-        Each micro-batch must carry `samples.advantages_B`; old log-probs default to the rollout's
-        own (same weights, same math), or `samples.old_log_probs_BW` when the trainer recomputed
-        them; old SDE means (GRPO-Guard, Flow-DPPO) likewise default to the rollout's `means`; KL
-        needs `samples.ref_means`. `samples.weights_BW` (rollout correction) multiplies each
-        sample's term. `samples.train_mask_BW` (DanceGRPO's per-sample step subsets) restricts each
-        window step to the samples that train it: every sample then trains K of the W steps, and
-        the gradient is normalised by K, so its scale does not depend on the fraction.
-        `window_steps` selects the trained steps (all by default).
+        The gradient is Σ grad_scale · ∇loss over the terms; under FSDP2 it is reduced across ranks
+        only after the last backward. Returns Σ metric_weight · metric / metrics_divisor for the
+        loss and each metric a term reports (terms with metric_weight None are not counted).
+        """
+        sums: dict[str, float] = defaultdict(float)
+        for index, term in enumerate(terms):
+            self._sync_gradients(index == len(terms) - 1)
+            loss, metrics = term.forward()
+            (loss * term.grad_scale).backward()
+            if term.metric_weight is None:
+                continue
+            sums["loss"] += float(loss.detach()) * term.metric_weight
+            for key, value in metrics.items():
+                sums[key] += value * term.metric_weight
+        return {key: value / metrics_divisor for key, value in sums.items()}
+
+    def forward_backward(
+        self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
+    ) -> dict[str, float]:
+        """Accumulate the policy-gradient loss of one mini-batch; returns metrics averaged over its terms.
+
+        Each micro-batch is a rollout slice with its training targets (`PolicyGradientBatch`): the
+        advantages; old log-probs default to the rollout's own (same weights, same math), or the
+        recomputed ones; old SDE means (GRPO-Guard, Flow-DPPO) likewise default to the rollout's
+        `means`; KL needs `ref_means`. `weights_BW` (rollout correction) multiplies each sample's
+        term. `train_mask_BW` (DanceGRPO's per-sample step subsets) restricts each window step to
+        the samples that train it: every sample then trains K of the W steps, and the gradient is
+        normalised by K, so its scale does not depend on the fraction. `window_steps` selects the
+        trained steps (all by default).
         """
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
         steps = list(range(micro_batches[0].window_size)) if window_steps is None else list(window_steps)
         if not steps:
             raise ValueError("no window steps to train: the rollouts were sampled without an SDE window")
-        loss_cfg = self.cfg.loss
-        needs_old_mean = getattr(self.loss_fn, "needs_old_mean", False)
-        sums: dict[str, float] = defaultdict(float)
-        terms = 0
-        for index, mb in enumerate(micro_batches):
-            samples = mb.samples
-            if samples.advantages_B is None:
-                raise ValueError("micro-batch has no advantages: the trainer sets samples.advantages_B first")
-            if self.kl_fn is not None and samples.ref_means is None:
+        terms = []
+        for mb in micro_batches:
+            if self.kl_fn is not None and mb.targets.ref_means is None:
                 raise ValueError("KL is on (actor.loss.kl_coef > 0) but the micro-batch has no ref_means")
-            mask = samples.train_mask_BW
-            rows_per_step = [
-                None if mask is None else torch.nonzero(mask[:, j].cpu()).flatten() for j in steps
-            ]
+            mask = mb.targets.train_mask_BW
             # each sample's terms are averaged over the steps it trains (K), then over samples
             trained_per_sample = len(steps) if mask is None else int(mask[0, steps].sum())
             norm = 1.0 / (len(micro_batches) * len(mb) * trained_per_sample)
-            active = [
-                (j, rows) for j, rows in zip(steps, rows_per_step, strict=True) if rows is None or len(rows)
-            ]
-            for count, (j, rows) in enumerate(active):
-                last = index == len(micro_batches) - 1 and count == len(active) - 1
-                self._sync_gradients(last)
+            for j in steps:
+                rows = None if mask is None else torch.nonzero(mask[:, j].cpu()).flatten()
+                if rows is not None and not len(rows):
+                    continue
                 part = mb if rows is None else mb.select(rows)
-                loss, metrics = self._step_loss(part, j, needs_old_mean, loss_cfg)
-                (loss * (len(part) * norm)).backward()
-                sums["loss"] += float(loss.detach())
-                for key, value in metrics.items():
-                    sums[key] += value
-                terms += 1
-        return self._reduce({key: value / terms for key, value in sums.items()})
+                terms.append(GradientTerm(partial(self._step_loss, part, j), len(part) * norm))
+        return self._reduce(self.accumulate(terms, metrics_divisor=len(terms)))
 
-    def _step_loss(self, mb: Rollout, j: int, needs_old_mean: bool, loss_cfg) -> tuple[torch.Tensor, dict]:
+    def _step_loss(self, mb: PolicyGradientBatch, j: int) -> tuple[torch.Tensor, dict]:
         """The policy loss (+ KL) of window step j on micro-batch `mb`, averaged over its samples."""
-        samples = mb.samples
-        out = evaluate_step(self.adapter, mb, j)
+        rollout, targets, loss_cfg = mb.rollout, mb.targets, self.cfg.loss
+        out = evaluate_step(self.adapter, rollout, j)
         device = out.log_prob_B.device
+        samples = rollout.samples
         old_log_probs = (
-            samples.old_log_probs_BW if samples.old_log_probs_BW is not None else samples.log_probs_BW
+            targets.old_log_probs_BW if targets.old_log_probs_BW is not None else samples.log_probs_BW
         )
-        old_means = samples.old_means if samples.old_means is not None else samples.means
+        old_means = targets.old_means if targets.old_means is not None else samples.means
         inputs = LossInputs(
-            advantages_B=samples.advantages_B.to(device),
+            advantages_B=targets.advantages_B.to(device),
             old_log_prob_B=old_log_probs[:, j].to(device),
-            old_mean=old_means[:, j].to(device) if needs_old_mean else None,
-            ref_mean=samples.ref_means[:, j].to(device) if self.kl_fn is not None else None,
-            weights_B=samples.weights_BW[:, j].to(device) if samples.weights_BW is not None else None,
+            old_mean=old_means[:, j].to(device) if self.needs_old_mean else None,
+            ref_mean=targets.ref_means[:, j].to(device) if self.kl_fn is not None else None,
+            weights_B=targets.weights_BW[:, j].to(device) if targets.weights_BW is not None else None,
         )
         loss, metrics = self.loss_fn.compute(inputs, out, loss_cfg)
         if self.kl_fn is not None:
@@ -295,17 +322,17 @@ class TrainEngine:
         """
         if not micro_batches:
             raise ValueError("flow_matching_backward needs at least one micro-batch")
-        total = 0.0
-        for index, mb in enumerate(micro_batches):
-            self._sync_gradients(index == len(micro_batches) - 1)
+
+        def term(mb: FlowMatchingBatch) -> tuple[torch.Tensor, dict[str, float]]:
             noisy = interpolate(mb.latents, mb.noise, mb.sigmas_B)
             velocity = self.adapter.velocity(
                 noisy, mb.sigmas_B * NUM_TRAIN_TIMESTEPS, mb.cond, 1.0, mb.height, mb.width, mb.num_frames
             )
-            loss = flow_matching_loss(velocity, mb.latents, mb.noise, mb.sigmas_B, weighting_scheme)
-            (loss / len(micro_batches)).backward()
-            total += float(loss.detach())
-        return self._reduce({"loss": total / len(micro_batches)})
+            return flow_matching_loss(velocity, mb.latents, mb.noise, mb.sigmas_B, weighting_scheme), {}
+
+        count = len(micro_batches)
+        terms = [GradientTerm(partial(term, mb), 1.0 / count) for mb in micro_batches]
+        return self._reduce(self.accumulate(terms, metrics_divisor=count))
 
     def optim_step(self) -> dict[str, float]:
         """Clip, then step, unless the gradient norm is not finite: then skip, count and log it."""

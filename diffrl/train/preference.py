@@ -4,8 +4,8 @@ DiffusionNFT (`diffusion_nft`), AWM (`awm`) and Diffusion-DPO (`dpo`) do not sco
 they noise clean samples x₀ afresh, x_t = (1 − t)·x₀ + t·ε (`diffrl.algos.flow_matching.interpolate`),
 and compare the network's velocity at (x_t, t) with the old policy's, the reference's or the
 flow-matching target ε − x₀. These functions run one worker's share of one optimizer step on a
-`TrainEngine` (its adapter, its policies and its gradient sync), accumulating gradients; the
-engine's `optim_step` then applies them.
+`TrainEngine` (its adapter, its policies), as gradient terms that the engine's `accumulate`
+backpropagates (normalisation and gradient sync live there); `optim_step` then applies them.
 
     forward_process_backward   NFT / AWM: micro-batches of clean samples (`CleanBatch`), each sample
                                at K noise levels of the rollout's schedule (a random
@@ -24,23 +24,19 @@ trained velocity's graph is alive.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
-from diffrl.algos import get_loss
-from diffrl.algos.awm import AWMInputs
-from diffrl.algos.dpo import DPOInputs, sample_logit_normal_sigmas
-from diffrl.algos.flow_matching import interpolate
-from diffrl.algos.nft import NFTInputs, optimality_probability, timestep_subset
-from diffrl.config.schema import LossConfig
+from diffrl.algos import PAIRS, SAMPLES, DirectPreferenceSpec, algorithm
+from diffrl.algos.dpo import sample_logit_normal_sigmas
+from diffrl.algos.nft import timestep_subset
 from diffrl.models.base import PromptEmbeds
 from diffrl.seeding import PREFERENCE_STREAM, generator
-from diffrl.train.engine import NUM_TRAIN_TIMESTEPS, OLD, POLICY, REFERENCE, TrainEngine
+from diffrl.train.engine import NUM_TRAIN_TIMESTEPS, OLD, POLICY, REFERENCE, GradientTerm, TrainEngine
 
-FORWARD_PROCESS_LOSSES = ("diffusion_nft", "awm")
 WEIGHT_KEY = "samples"  # the number of samples (NFT, AWM) or pairs (DPO) a worker's metrics average
 
 
@@ -137,17 +133,22 @@ def velocity(
         )
 
 
-def _frozen_velocity(
-    engine: TrainEngine,
-    policy: str,
-    coef: float,
-    latents: torch.Tensor,
-    sigmas_B: torch.Tensor,
-    cond: PromptEmbeds,
-    call: VelocityCall,
-) -> torch.Tensor | None:
-    """The no-grad velocity of a KL anchor (`policy`), or None when its coefficient is 0."""
-    return velocity(engine, policy, latents, sigmas_B, cond, call, grad=False) if coef > 0 else None
+@dataclass(frozen=True)
+class EngineVelocities:
+    """The engine's policies as an algorithm's term sees them (`diffrl.algos.Velocities`), each
+    called the way the rollout called the network."""
+
+    engine: TrainEngine
+    call: VelocityCall
+
+    def trained(self, x_t: torch.Tensor, sigmas_B: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+        return velocity(self.engine, POLICY, x_t, sigmas_B, cond, self.call, grad=True)
+
+    def old(self, x_t: torch.Tensor, sigmas_B: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+        return velocity(self.engine, OLD, x_t, sigmas_B, cond, self.call, grad=False)
+
+    def reference(self, x_t: torch.Tensor, sigmas_B: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+        return velocity(self.engine, REFERENCE, x_t, sigmas_B, cond, self.call, grad=False)
 
 
 # ------------------------------------------------------------------------------------ noise
@@ -182,71 +183,6 @@ def pair_noise(
     return sigmas_P, noise
 
 
-# ------------------------------------------------------------------------------------ one term
-def nft_loss(
-    engine: TrainEngine,
-    batch: CleanBatch,
-    noise: torch.Tensor,
-    sigmas_B: torch.Tensor,
-    loss_cfg: LossConfig,
-    call: VelocityCall,
-    adv_mode: str,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The DiffusionNFT loss of `batch` at one noise level per sample (v_old, v_ref, then v_θ)."""
-    x_t = interpolate(batch.latents, noise, sigmas_B)
-    v_old = velocity(engine, OLD, x_t, sigmas_B, batch.cond, call, grad=False)
-    v_ref = _frozen_velocity(engine, REFERENCE, loss_cfg.kl_coef, x_t, sigmas_B, batch.cond, call)
-    v = velocity(engine, POLICY, x_t, sigmas_B, batch.cond, call, grad=True)
-    reward_prob_B = optimality_probability(batch.advantages_B.to(v.device), loss_cfg.adv_clip_max, adv_mode)
-    inputs = NFTInputs(reward_prob_B, batch.latents, x_t, sigmas_B.to(v.device), v_old, v_ref)
-    return get_loss("diffusion_nft").compute(inputs, v, loss_cfg)
-
-
-def awm_loss(
-    engine: TrainEngine,
-    batch: CleanBatch,
-    noise: torch.Tensor,
-    sigmas_B: torch.Tensor,
-    loss_cfg: LossConfig,
-    call: VelocityCall,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The AWM loss of `batch` at one noise level per sample, on-policy (ρ ≡ 1): v_ref and v_ema
-    (the `old` adapter) only when their KL terms are on, then v_θ."""
-    x_t = interpolate(batch.latents, noise, sigmas_B)
-    v_ref = _frozen_velocity(engine, REFERENCE, loss_cfg.kl_coef, x_t, sigmas_B, batch.cond, call)
-    v_ema = _frozen_velocity(engine, OLD, loss_cfg.awm_ema_kl_coef, x_t, sigmas_B, batch.cond, call)
-    v = velocity(engine, POLICY, x_t, sigmas_B, batch.cond, call, grad=True)
-    inputs = AWMInputs(
-        batch.advantages_B.to(v.device),
-        batch.latents,
-        noise,
-        sigmas_B.to(v.device),
-        ref_velocity=v_ref,
-        ema_velocity=v_ema,
-    )
-    return get_loss("awm").compute(inputs, v, loss_cfg)
-
-
-def dpo_loss(
-    engine: TrainEngine,
-    batch: PairBatch,
-    noise: torch.Tensor,
-    sigmas_P: torch.Tensor,
-    loss_cfg: LossConfig,
-    call: VelocityCall,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The Diffusion-DPO loss of `batch`: the 2P rows (chosen first) share each pair's ε and σ; the
-    reference is the base model (adapters disabled, or the frozen copy of full fine-tuning)."""
-    latents = torch.cat([batch.chosen_latents, batch.rejected_latents])
-    sigmas_2P = torch.cat([sigmas_P, sigmas_P])
-    x_t = interpolate(latents, torch.cat([noise, noise]), sigmas_2P)
-    cond = torch.cat([batch.cond, batch.cond])
-    v_ref = velocity(engine, REFERENCE, x_t, sigmas_2P, cond, call, grad=False)
-    v = velocity(engine, POLICY, x_t, sigmas_2P, cond, call, grad=True)
-    inputs = DPOInputs(batch.chosen_latents, batch.rejected_latents, noise, sigmas_P.to(v.device), v_ref)
-    return get_loss("dpo").compute(inputs, v, loss_cfg)
-
-
 # ------------------------------------------------------------------------------------ one step
 def forward_process_backward(
     engine: TrainEngine,
@@ -268,18 +204,14 @@ def forward_process_backward(
     the metrics averaged the same way, plus `samples` (their weight when joining workers).
     """
     loss_cfg = engine.cfg.loss
-    if loss_cfg.mode not in FORWARD_PROCESS_LOSSES:
-        raise ValueError(
-            f"forward_process_backward trains {list(FORWARD_PROCESS_LOSSES)}, not actor.loss.mode="
-            f"{loss_cfg.mode!r} (dpo trains on pairs: dpo_backward)"
-        )
+    spec = _direct_preference_spec(loss_cfg.mode, SAMPLES)
+    net = EngineVelocities(engine, call)
     if not micro_batches:
         raise ValueError("forward_process_backward needs at least one micro-batch")
     device = engine.adapter.device
     total = sum(len(mb) for mb in micro_batches)
-    sums: dict[str, float] = defaultdict(float)
-    terms = 0
-    for index, mb in enumerate(micro_batches):
+    terms = []
+    for mb in micro_batches:
         mb = mb.to(device)
         sigmas_BK, noise_BK = forward_noise(
             mb.sample_index_B,
@@ -291,21 +223,13 @@ def forward_process_backward(
             epoch=epoch,
         )
         levels = sigmas_BK.shape[1]
-        terms = levels
+        share = len(mb) / (total * levels)
         for k in range(levels):
-            engine._sync_gradients(index == len(micro_batches) - 1 and k == levels - 1)
             noise, sigmas_B = noise_BK[:, k].to(device), sigmas_BK[:, k].to(device)
-            if loss_cfg.mode == "diffusion_nft":
-                loss, metrics = nft_loss(engine, mb, noise, sigmas_B, loss_cfg, call, adv_mode)
-            else:
-                loss, metrics = awm_loss(engine, mb, noise, sigmas_B, loss_cfg, call)
-            share = len(mb) / (total * levels)
-            (loss * share).backward()
-            sums["loss"] += float(loss.detach()) * share
-            for key, value in metrics.items():
-                sums[key] += value * share
-    out = dict(sums)
-    out["noise_levels"] = float(terms)
+            forward = partial(spec.term, mb, noise, sigmas_B, loss_cfg, net, adv_mode)
+            terms.append(GradientTerm(forward, share, metric_weight=share))
+    out = engine.accumulate(terms)
+    out["noise_levels"] = float(levels)
     out[WEIGHT_KEY] = float(total)
     return out
 
@@ -327,37 +251,42 @@ def dpo_backward(
     averaged over this worker's real pairs, plus `samples` (their number, 0 for padding only).
     """
     loss_cfg = engine.cfg.loss
-    if loss_cfg.mode != "dpo":
-        raise ValueError(f"dpo_backward trains actor.loss.mode=dpo, not {loss_cfg.mode!r}")
+    spec = _direct_preference_spec(loss_cfg.mode, PAIRS)
     if not micro_batches:
         raise ValueError("dpo_backward needs at least one micro-batch")
     device = engine.adapter.device
     call = replace(call, true_cfg_scale=None)  # the conditional velocity: no true CFG either
+    net = EngineVelocities(engine, call)
     real = sum(len(mb) for mb in micro_batches if mb.weight > 0)
-    sums: dict[str, float] = defaultdict(float)
-    for index, mb in enumerate(micro_batches):
+    terms = []
+    for mb in micro_batches:
         mb = mb.to(device)
         sigmas_P, noise = pair_noise(
             mb.pair_index_P, mb.chosen_latents.shape[1:], seed=seed, step=step, epoch=epoch
         )
-        engine._sync_gradients(index == len(micro_batches) - 1)
-        loss, metrics = dpo_loss(
-            engine,
+        forward = partial(
+            spec.term,
             replace(mb, cond=conditional(mb.cond)),
             noise.to(device),
             sigmas_P.to(device),
             loss_cfg,
-            call,
+            net,
         )
-        (loss * mb.weight).backward()
-        if mb.weight > 0:
-            share = len(mb) / real
-            sums["loss"] += float(loss.detach()) * share
-            for key, value in metrics.items():
-                sums[key] += value * share
-    out = dict(sums)
+        terms.append(GradientTerm(forward, mb.weight, len(mb) / real if mb.weight > 0 else None))
+    out = engine.accumulate(terms)
     out[WEIGHT_KEY] = float(real)
     return out
+
+
+def _direct_preference_spec(mode: str, trains_on: str) -> DirectPreferenceSpec:
+    """The declaration of `mode`, which must train on `trains_on` (samples or pairs)."""
+    spec = algorithm(mode)
+    if not (isinstance(spec, DirectPreferenceSpec) and spec.trains_on == trains_on):
+        raise ValueError(
+            f"this backward trains the direct-preference algorithms on {trains_on}, not "
+            f"actor.loss.mode={mode!r} (forward_process_backward trains on samples, dpo_backward on pairs)"
+        )
+    return spec
 
 
 def join_worker_metrics(results: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -371,16 +300,14 @@ def join_worker_metrics(results: Sequence[dict[str, float]]) -> dict[str, float]
 
 __all__ = [
     "CleanBatch",
+    "EngineVelocities",
     "PairBatch",
     "VelocityCall",
-    "awm_loss",
     "conditional",
     "dpo_backward",
-    "dpo_loss",
     "forward_noise",
     "forward_process_backward",
     "join_worker_metrics",
-    "nft_loss",
     "pair_noise",
     "velocity",
 ]

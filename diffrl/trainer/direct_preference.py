@@ -35,7 +35,16 @@ from typing import Any
 
 import torch
 
-from diffrl.algos import advantage_metrics, get_advantage_estimator
+from diffrl.algos import (
+    DIRECT_PREFERENCE,
+    PAIRS,
+    DirectPreferenceSpec,
+    advantage_metrics,
+    algorithm,
+    algorithms,
+    get_advantage_estimator,
+    uses_old_adapter,
+)
 from diffrl.algos.dpo import preference_pairs
 from diffrl.algos.nft import old_policy_decay
 from diffrl.config.schema import Config
@@ -51,20 +60,14 @@ from diffrl.data.preference import (
 )
 from diffrl.models.base import PromptEmbeds
 from diffrl.rewards.workers import gather as gather_rewards
-from diffrl.rollout.types import Rollout
 from diffrl.train.engine import OLD, POLICY
 from diffrl.train.preference import CleanBatch, PairBatch, conditional, join_worker_metrics
 from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.sharding import group_order, sample_groups
+from diffrl.trainer.minibatches import mini_batches
+from diffrl.trainer.sharding import sample_groups
+from diffrl.transition import Rollout
 
-DIRECT_PREFERENCE_LOSSES = ("diffusion_nft", "awm", "dpo")
 _ENCODE_CHUNK = 256  # images read and sent to the workers at a time while building the cache
-
-
-def needs_old_adapter(cfg: Config) -> bool:
-    """Whether the loss reads the `old` adapter: DiffusionNFT always, AWM for its EMA KL term."""
-    loss = cfg.actor.loss
-    return loss.mode == "diffusion_nft" or (loss.mode == "awm" and loss.awm_ema_kl_coef > 0)
 
 
 class DirectPreferenceTrainer(TrainingLoop):
@@ -72,17 +75,16 @@ class DirectPreferenceTrainer(TrainingLoop):
 
     def __init__(self, cfg: Config, run_dir: Path, **loop_args: Any):
         super().__init__(cfg, run_dir, **loop_args)
-        self.mode = cfg.actor.loss.mode
-        if self.mode not in DIRECT_PREFERENCE_LOSSES:
+        self.spec = algorithm(cfg.actor.loss.mode)
+        if not isinstance(self.spec, DirectPreferenceSpec):
             raise ValueError(
-                f"actor.loss.mode={self.mode!r} is not a direct-preference loss: choose one of "
-                f"{list(DIRECT_PREFERENCE_LOSSES)}, or algorithm.trainer_type=policy_gradient"
+                f"actor.loss.mode={self.spec.name!r} is not a direct-preference loss: choose one of "
+                f"{[s.name for s in algorithms(DIRECT_PREFERENCE)]}, or algorithm.trainer_type=policy_gradient"
             )
         self.offline = cfg.algorithm.sample_source == "offline"
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.with_old = needs_old_adapter(cfg)
-        # DiffusionNFT samples with the old policy; AWM and DPO with the trained one
-        self.sampling_policy = OLD if self.mode == "diffusion_nft" else POLICY
+        self.with_old = uses_old_adapter(cfg.actor.loss)
+        self.sampling_policy = OLD if self.spec.samples_with_old else POLICY
         self.optim_steps: int | None = None  # the engine's count, read from the workers on first use
         self.last_decay: float | None = None
         self.skipped_steps = 0.0
@@ -130,7 +132,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         sample_uids = rollout.sample_uids()
         metrics = scores.metrics(sample_uids)
         with self.timer.phase("update_actor"):
-            if self.mode == "dpo":
+            if self.spec.trains_on == PAIRS:
                 chosen_P, rejected_P = preference_pairs(scores.total_B, sample_uids)
                 metrics["dpo/pairs"] = float(len(chosen_P))
                 metrics.update(self._update_pairs(self._rollout_pairs(rollout, chosen_P, rejected_P)))
@@ -144,36 +146,27 @@ class DirectPreferenceTrainer(TrainingLoop):
         """NFT/AWM: mini-batches of whole prompt groups, shuffled per (seed, step, epoch), split
         evenly over the workers in micro-batches; one optimizer step each."""
         cfg, world = self.cfg, self.workers.size
-        n, mini, micro = cfg.rollout.n, cfg.actor.mini_batch_size, cfg.actor.micro_batch_size
-        groups = len(rollout) // n
         samples, table = rollout.samples, rollout.prompt_embeds
         sums: dict[str, float] = defaultdict(float)
         count = 0
-        for epoch in range(cfg.actor.epochs):
-            order = group_order(cfg, groups, self.step, epoch)
-            rows = torch.tensor([g * n + j for g in order for j in range(n)])
-            for start in range(0, len(rows), mini):
-                mini_rows = rows[start : start + mini]
-                per_worker = len(mini_rows) // world  # the config makes these divisions exact
-                shards = []
-                for rank in range(world):
-                    mine = mini_rows[rank * per_worker : (rank + 1) * per_worker]
-                    shards.append(
-                        [
-                            CleanBatch(
-                                latents=samples.final_latents[part].clone(),
-                                cond=table[samples.prompt_index_B[part]],
-                                advantages_B=advantages_B[part].clone(),
-                                sample_index_B=samples.sample_index_B[part].clone(),
-                            )
-                            for part in mine.split(micro)
-                        ]
+        for mini in mini_batches(cfg, len(rollout) // cfg.rollout.n, self.step):
+            shards = [
+                [
+                    CleanBatch(
+                        latents=samples.final_latents[part].clone(),
+                        cond=table[samples.prompt_index_B[part]],
+                        advantages_B=advantages_B[part].clone(),
+                        sample_index_B=samples.sample_index_B[part].clone(),
                     )
-                results = self.workers.scatter(
-                    "forward_process_backward", shards, seed=cfg.trainer.seed, step=self.step, epoch=epoch
-                )
-                self._accumulate(sums, results)
-                count += 1
+                    for part in worker
+                ]
+                for worker in mini.shards(world, cfg.actor.micro_batch_size)
+            ]
+            results = self.workers.scatter(
+                "forward_process_backward", shards, seed=cfg.trainer.seed, step=self.step, epoch=mini.epoch
+            )
+            self._accumulate(sums, results)
+            count += 1
         return self._means(sums, count)
 
     def _rollout_pairs(
@@ -272,8 +265,6 @@ class DirectPreferenceTrainer(TrainingLoop):
         micro-batches run weight-0 copies, so all make the same number of forward calls.
         """
         cfg, world = self.cfg, self.workers.size
-        n = cfg.rollout.n
-        groups_per_mini = cfg.actor.mini_batch_size // n
         pairs_per_micro = max(1, cfg.actor.micro_batch_size // 2)
         by_group: dict[int, list] = defaultdict(list)
         for pair in pairs:
@@ -282,22 +273,20 @@ class DirectPreferenceTrainer(TrainingLoop):
         sums: dict[str, float] = defaultdict(float)
         count = 0
         skipped = 0
-        for epoch in range(cfg.actor.epochs):
-            order = group_order(cfg, groups, self.step, epoch)
-            for start in range(0, groups, groups_per_mini):
-                chosen = [p for g in order[start : start + groups_per_mini] for p in by_group.get(g, [])]
-                if not chosen:
-                    skipped += 1  # every group tied: nothing to prefer, no optimizer step
-                    continue
-                results = self.workers.scatter(
-                    "dpo_backward",
-                    _deal_pairs(chosen, world, pairs_per_micro),
-                    seed=cfg.trainer.seed,
-                    step=self.step,
-                    epoch=epoch,
-                )
-                self._accumulate(sums, results)
-                count += 1
+        for mini in mini_batches(cfg, groups, self.step):
+            chosen = [p for g in mini.groups for p in by_group.get(g, [])]
+            if not chosen:
+                skipped += 1  # every group tied: nothing to prefer, no optimizer step
+                continue
+            results = self.workers.scatter(
+                "dpo_backward",
+                _deal_pairs(chosen, world, pairs_per_micro),
+                seed=cfg.trainer.seed,
+                step=self.step,
+                epoch=mini.epoch,
+            )
+            self._accumulate(sums, results)
+            count += 1
         metrics = self._means(sums, count)
         metrics["actor/skipped_mini_batches"] = float(skipped)
         return metrics
@@ -386,4 +375,4 @@ def _prompt_embeds_from(tensors: dict[str, torch.Tensor]) -> PromptEmbeds:
     return PromptEmbeds(**values, batch_size=[values["embeds"].shape[0]])
 
 
-__all__ = ["DIRECT_PREFERENCE_LOSSES", "DirectPreferenceTrainer", "needs_old_adapter"]
+__all__ = ["DirectPreferenceTrainer"]

@@ -28,18 +28,20 @@ from typing import Any
 
 import torch
 
-from diffrl.algos import advantage_metrics, get_advantage_estimator, get_loss
+from diffrl.algos import PolicyGradientSpec, advantage_metrics, algorithm, get_advantage_estimator
 from diffrl.algos.nft import timestep_subset, timestep_subset_mask
 from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
-from diffrl.rollout.types import Rollout
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.sharding import group_order, sample_groups, split_even
+from diffrl.trainer.minibatches import mini_batches
+from diffrl.trainer.sharding import sample_groups, split_even
+from diffrl.transition import Rollout
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -51,7 +53,8 @@ class PolicyGradientTrainer(TrainingLoop):
         super().__init__(cfg, run_dir, **loop_args)
         self.reuse_rollout_log_probs = reuse_rollout_log_probs
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.needs_old_mean = getattr(get_loss(cfg.actor.loss.mode), "needs_old_mean", False)
+        spec = algorithm(cfg.actor.loss.mode)
+        self.needs_old_mean = isinstance(spec, PolicyGradientSpec) and spec.needs_old_mean
         rc = cfg.algorithm.rollout_correction
         self.corrects_rollout = rc.is_level != "none" or rc.rejection != "none"
         self.peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
@@ -70,30 +73,30 @@ class PolicyGradientTrainer(TrainingLoop):
             scores = gather_rewards(rollout.extras.pop("reward_handles"))
         metrics = scores.metrics(rollout.sample_uids())
         advantages = self.estimator(scores.total_B, rollout.sample_uids(), cfg.algorithm)
-        rollout.samples.advantages_B = advantages.float()
+        targets = TrainingTargets(advantages_B=advantages.float(), batch_size=[len(rollout)])
         metrics.update(advantage_metrics(advantages))
 
         if not self.reuse_rollout_log_probs:
             with self.timer.phase("old_log_prob"):
                 old_log_probs, old_means = self._log_probs(rollout, POLICY)
-            rollout.samples.old_log_probs_BW = old_log_probs
+            targets.old_log_probs_BW = old_log_probs
             if self.needs_old_mean:
-                rollout.samples.old_means = old_means
+                targets.old_means = old_means
             # weights are all 1 unless algorithm.rollout_correction turns IS or rejection on; the
             # mismatch diagnostics are logged either way
             weights, rc_metrics = rollout_correction_from_config(
                 old_log_probs, rollout.samples.log_probs_BW, cfg.algorithm.rollout_correction
             )
-            rollout.samples.weights_BW = weights if self.corrects_rollout else None
+            targets.weights_BW = weights if self.corrects_rollout else None
             metrics.update(rc_metrics)
         if cfg.algorithm.timestep_fraction < 1.0:
-            rollout.samples.train_mask_BW = self._train_mask(rollout)
+            targets.train_mask_BW = self._train_mask(rollout)
         if cfg.actor.loss.kl_coef > 0:
             with self.timer.phase("ref"):
-                rollout.samples.ref_means = self._log_probs(rollout, REFERENCE)[1]
+                targets.ref_means = self._log_probs(rollout, REFERENCE)[1]
 
         with self.timer.phase("update_actor"):
-            metrics.update(self._update(rollout))
+            metrics.update(self._update(PolicyGradientBatch(rollout, targets)))
 
         images = len(rollout)
         metrics.update(self.timer.metrics(images, world))
@@ -126,27 +129,21 @@ class PolicyGradientTrainer(TrainingLoop):
         parts = self.workers.scatter("log_probs", split_even(rollout, self.workers.size), policy=policy)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-    def _update(self, rollout: Rollout) -> dict[str, float]:
-        """Mini-batches of whole prompt groups, shuffled per (seed, step, epoch); one optimizer step each."""
-        cfg = self.cfg
-        n, mini, micro = cfg.rollout.n, cfg.actor.mini_batch_size, cfg.actor.micro_batch_size
-        groups = len(rollout) // n
+    def _update(self, batch: PolicyGradientBatch) -> dict[str, float]:
+        """One optimizer step per mini-batch of whole prompt groups (`trainer.minibatches`), each
+        split over the workers in micro-batches; metrics averaged over the optimizer steps."""
+        world, micro = self.workers.size, self.cfg.actor.micro_batch_size
         sums: dict[str, float] = defaultdict(float)
         count = 0
-        for epoch in range(cfg.actor.epochs):
-            order = group_order(cfg, groups, self.step, epoch)
-            samples = torch.tensor([g * n + j for g in order for j in range(n)])
-            for start in range(0, len(samples), mini):
-                mini_batch = rollout.select(samples[start : start + mini])
-                shards = [
-                    [shard.select(slice(s, s + micro)).compact() for s in range(0, len(shard), micro)]
-                    for shard in split_even(mini_batch, self.workers.size)
-                ]
-                results = self.workers.scatter("forward_backward", shards)
-                step_metrics = self.workers.call("optim_step")[0]
-                for key, value in {**results[0], **step_metrics}.items():
-                    sums[f"actor/{key}"] += value
-                count += 1
+        for mini in mini_batches(self.cfg, len(batch) // self.cfg.rollout.n, self.step):
+            shards = [
+                [batch.select(rows).compact() for rows in worker] for worker in mini.shards(world, micro)
+            ]
+            results = self.workers.scatter("forward_backward", shards)
+            step_metrics = self.workers.call("optim_step")[0]
+            for key, value in {**results[0], **step_metrics}.items():
+                sums[f"actor/{key}"] += value
+            count += 1
         means = {key: value / count for key, value in sums.items()}
         means["actor/skipped_steps"] = step_metrics["skipped_steps"]  # a running count, not an average
         return means

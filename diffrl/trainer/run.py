@@ -21,17 +21,25 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from diffrl.algos import (
+    DIRECT_PREFERENCE,
+    PAIRS,
+    DirectPreferenceSpec,
+    algorithm,
+    algorithms,
+    uses_old_adapter,
+)
 from diffrl.config import load_config, to_yaml
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
 from diffrl.data import PromptRecord, load_prompts
+from diffrl.files import write_json
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
 from diffrl.trainer.loop import TrainingLoop
 from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
-from diffrl.trainer.sharding import write_json
 from diffrl.workers.group import WorkerGroup
 
 BUILTIN_DATA = Path(__file__).resolve().parents[1] / "config" / "presets" / "data"
@@ -187,7 +195,7 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
     _check_trainer_type(cfg)
     _reject_planned_keys(cfg)
-    if cfg.algorithm.trainer_type == "direct_preference":
+    if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
     if cfg.algorithm.sample_source == "offline":
@@ -201,10 +209,8 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
 def _check_trainer_type(cfg: Config) -> None:
     """The loss and the loop must fit each other, in both directions: a policy-gradient loss needs
     SDE transitions and log-probs, a direct-preference loss clean samples at fresh noise levels."""
-    from diffrl.algos import get_loss
-
     mode, trainer_type = cfg.actor.loss.mode, cfg.algorithm.trainer_type
-    needs = getattr(get_loss(mode), "trainer_type", "policy_gradient")
+    needs = algorithm(mode).loop
     if needs != trainer_type:
         raise ConfigError(
             f"actor.loss.mode={mode} needs algorithm.trainer_type={needs}, but it is {trainer_type}: set "
@@ -214,14 +220,14 @@ def _check_trainer_type(cfg: Config) -> None:
 
 def _check_direct_preference(cfg: Config) -> None:
     """Settings of the direct-preference loop that would otherwise be silently ignored or fail late."""
-    from diffrl.trainer.direct_preference import needs_old_adapter
-
     algo, mode = cfg.algorithm, cfg.actor.loss.mode
     if algo.sample_source == "offline":
-        if mode != "dpo":
+        spec = algorithm(mode)
+        if not (isinstance(spec, DirectPreferenceSpec) and spec.trains_on == PAIRS):
+            on_pairs = "/".join(s.name for s in algorithms(DIRECT_PREFERENCE) if s.trains_on == PAIRS)
             raise ConfigError(
-                f"algorithm.sample_source=offline reads preference pairs, which only actor.loss.mode=dpo "
-                f"trains on (got {mode}): set actor.loss.mode=dpo, or algorithm.sample_source=online"
+                f"algorithm.sample_source=offline reads preference pairs, which only actor.loss.mode={on_pairs} "
+                f"trains on (got {mode}): set actor.loss.mode={on_pairs}, or algorithm.sample_source=online"
             )
         if cfg.rollout.n != 2:
             raise ConfigError(
@@ -234,12 +240,13 @@ def _check_direct_preference(cfg: Config) -> None:
             "algorithm.rollout_correction has no effect with algorithm.trainer_type=direct_preference "
             "(no SDE log-probs are compared): leave it at its defaults"
         )
-    if algo.old_policy != defaults.old_policy and not needs_old_adapter(cfg):
+    if algo.old_policy != defaults.old_policy and not uses_old_adapter(cfg.actor.loss):
         raise ConfigError(
             f"algorithm.old_policy has no effect with actor.loss.mode={mode} (no `old` adapter): leave it "
-            "at its defaults, or use diffusion_nft / awm with actor.loss.awm_ema_kl_coef > 0"
+            "at its defaults, or use an algorithm with an `old` adapter (docs/algorithms.md), e.g. "
+            "diffusion_nft, or awm with actor.loss.awm_ema_kl_coef > 0"
         )
-    if needs_old_adapter(cfg) and cfg.model.lora.rank <= 0:
+    if uses_old_adapter(cfg.actor.loss) and cfg.model.lora.rank <= 0:
         raise ConfigError(
             f"actor.loss.mode={mode} needs an `old` adapter, which exists only with LoRA: set "
             "model.lora.rank > 0"
@@ -309,12 +316,11 @@ def worker_options(cfg: Config) -> dict[str, Any]:
     """What the workers' engines need beyond the config: an `old` adapter (DiffusionNFT, AWM's EMA
     KL) and, for DPO under full fine-tuning, a frozen reference copy (its reference term is not a
     KL coefficient the engine would see)."""
-    if cfg.algorithm.trainer_type != "direct_preference":
+    spec = algorithm(cfg.actor.loss.mode)
+    if not isinstance(spec, DirectPreferenceSpec):
         return {}
-    from diffrl.trainer.direct_preference import needs_old_adapter
-
-    options: dict[str, Any] = {"with_old": needs_old_adapter(cfg)}
-    if cfg.actor.loss.mode == "dpo":
+    options: dict[str, Any] = {"with_old": uses_old_adapter(cfg.actor.loss)}
+    if spec.needs_reference:
         options["with_reference"] = True
     return options
 
@@ -518,7 +524,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             val_records=val_records,
             logger=j.logger,
         )
-        if cfg.algorithm.trainer_type == "direct_preference":
+        if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
             from diffrl.trainer.direct_preference import DirectPreferenceTrainer
 
             trainer: TrainingLoop = DirectPreferenceTrainer(cfg, j.run_dir, **loop_args)

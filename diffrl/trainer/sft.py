@@ -30,10 +30,10 @@ from diffrl.config import load_config
 from diffrl.config.schema import Config
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
+from diffrl.files import write_json
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.trainer.loop import TrainingLoop
 from diffrl.trainer.run import job, preflight_common, run_loop
-from diffrl.trainer.sharding import write_json
 from diffrl.workers.roles import ImageShard
 
 

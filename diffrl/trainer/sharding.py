@@ -1,19 +1,19 @@
-"""Splitting a step's work across workers and joining their results (used by every loop)."""
+"""Splitting a step's prompts across workers and joining their rollouts (used by every loop).
+
+The mini-batch schedule lives in `trainer.minibatches`; padding prompt tables of different text
+lengths in `PromptEmbeds.cat_padded`."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffrl.data import PromptRecord
 from diffrl.models.base import PromptEmbeds
-from diffrl.rollout.types import Rollout
-from diffrl.seeding import SHUFFLE_STREAM, numpy_rng
+from diffrl.transition import Rollout
 from diffrl.workers.roles import PromptShard
 
 if TYPE_CHECKING:
@@ -72,14 +72,6 @@ def sample_groups(
     return concat_rollouts(rollouts)
 
 
-def group_order(cfg: Config, groups: int, step: int, epoch: int) -> list[int]:
-    """The order in which a step's prompt groups (or pairs) form mini-batches in `epoch`: shuffled
-    per (seed, step, epoch) with `actor.shuffle`, else as sampled. Both trainers use it."""
-    if not cfg.actor.shuffle:
-        return list(range(groups))
-    return numpy_rng(SHUFFLE_STREAM, cfg.trainer.seed, step, epoch).permutation(groups).tolist()
-
-
 def split_even(rollout: Rollout, parts: int) -> list[Rollout]:
     """`parts` consecutive, equal slices (the config guarantees divisibility)."""
     size = len(rollout) // parts
@@ -100,7 +92,7 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         s = r.samples.clone()
         s.prompt_index_B = s.prompt_index_B + offset
         samples.append(s)
-    embeds = _cat_prompt_embeds([r.prompt_embeds for r in rollouts])
+    embeds = PromptEmbeds.cat_padded([r.prompt_embeds for r in rollouts])
     return replace(
         first,
         samples=torch.cat(samples),
@@ -110,48 +102,3 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         metadata=[m for r in rollouts for m in r.metadata],
         extras={"reward_handles": [h for r in rollouts for h in r.extras.get("reward_handles", [])]},
     )
-
-
-def _cat_prompt_embeds(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
-    """Concatenate prompt tables whose text lengths may differ: each worker pads its own prompts to
-    their longest (Qwen-Image), so right-pad with zeros to the longest overall and extend the masks
-    with zeros (padded keys are masked out, so the model computes the same thing)."""
-    lengths = {p.embeds.shape[1] for p in parts} | {
-        p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None
-    }
-    if len(lengths) == 1:
-        return torch.cat(list(parts))
-    if any(p.mask is None for p in parts):
-        raise ValueError(
-            f"workers returned prompt embeddings of different text lengths {sorted(lengths)} without "
-            "attention masks: this family must pad every prompt to rollout.pipeline.max_sequence_length"
-        )
-    length = max(lengths)
-    padded = []
-    for p in parts:
-        negative = p.negative_embeds is not None
-        padded.append(
-            PromptEmbeds(
-                embeds=_pad_tokens(p.embeds, length),
-                mask=_pad_tokens(p.mask, length),
-                pooled=p.pooled,
-                negative_embeds=_pad_tokens(p.negative_embeds, length) if negative else None,
-                negative_mask=_pad_tokens(p.negative_mask, length) if negative else None,
-                negative_pooled=p.negative_pooled,
-                batch_size=p.batch_size,
-            )
-        )
-    return torch.cat(padded)
-
-
-def _pad_tokens(values: torch.Tensor, length: int) -> torch.Tensor:
-    """Right-pad dim 1 (tokens) with zeros to `length`."""
-    pad = [0, 0] * (values.dim() - 2) + [0, length - values.shape[1]]
-    return torch.nn.functional.pad(values, pad)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """Atomically: a crash never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)

@@ -3,11 +3,14 @@
     RolloutWorker    a sampler on its own copy of the model (weights arrive by `load_weights`)
     ActorWorker      the training engine
     HybridWorker     actor and sampler sharing one module in one process: no weight copy at all
-    ReferenceWorker  a frozen copy for the KL term when full fine-tuning (LoRA needs none)
 
-Colocation is the controller's placement decision: it picks HybridWorker, or ActorWorker plus
-RolloutWorker on different GPUs; the classes carry no flags about it. Each role builds its model
-from the config inside its own process, so nothing large crosses the controller.
+Colocation is the controller's placement decision: it picks HybridWorker, or (issue 13's separate
+placement) ActorWorker plus RolloutWorker on different GPUs, the actor's `export_weights` feeding
+the replica's `load_weights`; the classes carry no flags about it. Each role builds its model
+from the config inside its own process, so nothing large crosses the controller. The math lives
+elsewhere: policy-gradient and flow-matching updates in `diffrl.train.engine`, the forward-process
+losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FLOPs accounting in
+`diffrl.telemetry.perf`, export in `diffrl.train.export`.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from diffrl.config.schema import Config
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
-from diffrl.rollout.types import Rollout
+from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.engine import POLICY, REFERENCE, TrainEngine
 from diffrl.train.lora import inject_lora
+from diffrl.transition import Rollout
 
 
 @dataclass(frozen=True)
@@ -158,40 +162,39 @@ class ActorWorker:
         if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
             adapter.compile_blocks()
         # Supervised training only (`flow_matching_backward`): filled on first use.
-        self._training_sigmas_cache: torch.Tensor | None = None
+        self._training_sigmas: torch.Tensor | None = None
         self._prompt_cache: dict[str, Any] = {}
 
-    def forward_backward(self, micro_batches: Sequence[Rollout], window_steps: Sequence[int] | None = None):
+    def forward_backward(
+        self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
+    ):
         return self.engine.forward_backward(
             _to_device(micro_batches, self.engine.adapter.device), window_steps
         )
 
     def flow_matching_backward(self, shard: ImageShard, *, seed: int, step: int) -> dict[str, float]:
-        """Accumulate the supervised flow-matching gradient of a shard of images (`diffrl sft`).
-
-        Per image, from its own generator (SFT_STREAM, seed, step, sample): prompt dropout (train on
-        the empty prompt with probability `sft.prompt_dropout`), the noise level and the noise.
-        """
-        from diffrl.algos.flow_matching import sample_sigmas
-        from diffrl.seeding import SFT_STREAM, generator
+        """Accumulate the supervised flow-matching gradient of a shard of images (`diffrl sft`);
+        each image's prompt dropout, noise level and noise: `diffrl.algos.sft_batch`."""
+        from diffrl.algos.sft_batch import supervised_draws, training_sigmas
         from diffrl.train.engine import FlowMatchingBatch
 
-        cfg, sft, adapter = self.cfg, self.cfg.sft, self.engine.adapter
+        cfg, adapter = self.cfg, self.engine.adapter
         height, width = int(shard.pixels.shape[-2]), int(shard.pixels.shape[-1])
-        gens = [
-            generator("cpu", SFT_STREAM, seed, step, shard.sample_offset + i)
-            for i in range(len(shard.prompts))
-        ]
-        dropped = [bool(torch.rand((), generator=g) < sft.prompt_dropout) for g in gens]
-        sigmas_B = sample_sigmas(
-            self._training_sigmas(), gens, sft.weighting_scheme, sft.logit_mean, sft.logit_std, sft.mode_scale
-        ).to(adapter.device)
+        if self._training_sigmas is None:
+            self._training_sigmas = training_sigmas(adapter.scheduler_config)
         latents = adapter.encode(shard.pixels)
-        noise = torch.cat(
-            [torch.randn((1, *latents.shape[1:]), generator=g, dtype=torch.float32) for g in gens]
-        ).to(adapter.device)
+        draws = supervised_draws(
+            len(shard.prompts),
+            latents.shape[1:],
+            self._training_sigmas,
+            cfg.sft,
+            seed=seed,
+            step=step,
+            sample_offset=shard.sample_offset,
+        )
+        sigmas_B, noise = draws.sigmas_B.to(adapter.device), draws.noise.to(adapter.device)
         cond = self._prompt_embeds(
-            ["" if drop else p for p, drop in zip(shard.prompts, dropped, strict=True)]
+            ["" if drop else p for p, drop in zip(shard.prompts, draws.dropped, strict=True)]
         )
         micro = cfg.actor.micro_batch_size
         batches = [
@@ -205,18 +208,9 @@ class ActorWorker:
             )
             for s in range(0, len(latents), micro)
         ]
-        metrics = self.engine.flow_matching_backward(batches, sft.weighting_scheme)
-        metrics["prompt_dropout_frac"] = sum(dropped) / len(dropped)
+        metrics = self.engine.flow_matching_backward(batches, cfg.sft.weighting_scheme)
+        metrics["prompt_dropout_frac"] = sum(draws.dropped) / len(draws.dropped)
         return metrics
-
-    def _training_sigmas(self) -> torch.Tensor:
-        """The scheduler's training sigmas (shift applied), as the diffusers training scripts use them."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if self._training_sigmas_cache is None:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.engine.adapter.scheduler_config)
-            self._training_sigmas_cache = scheduler.sigmas
-        return self._training_sigmas_cache
 
     def _prompt_embeds(self, prompts: Sequence[str]):
         """One conditioning row per prompt; each distinct prompt is encoded once and cached."""
@@ -348,9 +342,6 @@ class HybridWorker(ActorWorker):
         with torch.no_grad():
             return self.rollout.sample(prompts, **kwargs)
 
-    def sample_validation(self, prompts: Sequence[str], **kwargs) -> Rollout:
-        return self.rollout.sample_validation(prompts, **kwargs)
-
     def sample_and_score(self, shard: PromptShard, *, seed: int, step: int, rewards: Any) -> Rollout:
         """Sample a shard of prompts; each decoded micro-batch goes to `rewards.submit` at once.
 
@@ -402,39 +393,33 @@ class HybridWorker(ActorWorker):
         return memory_metrics(self.engine.adapter.device)
 
     def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
-        """Model FLOPs of one step's phases for `images` trajectories (all workers together).
+        """Model FLOPs of one step's phases (`diffrl.telemetry.perf.phase_flops`), with this
+        worker's last prompt length."""
+        from diffrl.telemetry.perf import phase_flops
 
-        gen: every denoising step; old_log_prob / ref: a forward per window step; update_actor: a
-        forward and a backward per window step and epoch (2× forward with frozen base weights under
-        LoRA, 3× when the weights train too). CFG doubles every forward when it is on.
-        """
-        cfg, adapter = self.cfg, self.engine.adapter
-        pipe = cfg.rollout.pipeline
-        cfg_factor = 2 if adapter.wants_negative(pipe.guidance_scale, pipe.true_cfg_scale) else 1
-        forward = adapter.flops_per_forward(
-            images * cfg_factor, pipe.height, pipe.width, self._text_len, pipe.num_frames
+        return phase_flops(
+            self.engine.adapter,
+            self.cfg,
+            images=images,
+            window=window,
+            text_len=self._text_len,
+            recompute_old=recompute_old,
+            trains_base_weights=not self.engine.lora,
         )
-        backward = 1.0 if self.engine.lora else 2.0
-        flops = {
-            "gen": forward * pipe.num_inference_steps,
-            "update_actor": forward * window * cfg.actor.epochs * (1.0 + backward),
-        }
-        if recompute_old:
-            flops["old_log_prob"] = forward * window
-        if cfg.actor.loss.kl_coef > 0:
-            flops["ref"] = forward * window
-        return flops
 
 
-def _to_device(micro_batches: Sequence[Rollout], device: torch.device) -> list[Rollout]:
+def _to_device(
+    micro_batches: Sequence[PolicyGradientBatch], device: torch.device
+) -> list[PolicyGradientBatch]:
     """Move micro-batches to `device`, copying a prompt table they share only once."""
     tables: dict[int, Any] = {}
     moved = []
     for mb in micro_batches:
-        key = id(mb.prompt_embeds)
+        key = id(mb.rollout.prompt_embeds)
         if key not in tables:
-            tables[key] = mb.prompt_embeds.to(device)
-        moved.append(replace(mb.to_samples_device(device), prompt_embeds=tables[key]))
+            tables[key] = mb.rollout.prompt_embeds.to(device)
+        rollout = replace(mb.rollout.to_samples_device(device), prompt_embeds=tables[key])
+        moved.append(PolicyGradientBatch(rollout, mb.targets.to(device)))
     return moved
 
 
@@ -448,28 +433,11 @@ def _submitter(rewards: Any, prompts: Sequence[str], metadata: Sequence[dict], h
     return submit
 
 
-class ReferenceWorker:
-    """The frozen base model, for the KL term of full fine-tuning on its own GPU."""
-
-    def __init__(self, cfg: Config, adapter: ModelAdapter | None = None):
-        self.adapter = adapter or build_adapter(cfg)
-        self.adapter.transformer.requires_grad_(False).eval()
-        self.micro_batch_size = cfg.actor.micro_batch_size
-
-    @torch.no_grad()
-    def means(self, rollout: Rollout) -> torch.Tensor:
-        """The reference SDE means [B, W, ...] of the rollout's window steps."""
-        from diffrl.rollout.sampler import evaluate_window
-
-        return evaluate_window(self.adapter, rollout.to(self.adapter.device), self.micro_batch_size)[1].cpu()
-
-
 __all__ = [
     "REFERENCE",
     "ActorWorker",
     "HybridWorker",
     "PromptShard",
-    "ReferenceWorker",
     "RolloutWorker",
     "worker_device",
 ]

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import LossInputs, algorithm
 from diffrl.algos.awm import AWMInputs, AWMLoss
 from diffrl.sde import StepOut
 
@@ -86,7 +86,7 @@ def test_off_policy_ratio_and_clip_against_a_scalar_reimplementation():
         old_velocity=v_old,
         weights_B=torch.tensor(weights, dtype=torch.float64),
     )
-    loss, m = get_loss("awm").compute(batch, v, cfg(awm_weighting="sigma", clip_ratio=clip))
+    loss, m = algorithm("awm").loss().compute(batch, v, cfg(awm_weighting="sigma", clip_ratio=clip))
     total, ratios = 0.0, []
     for i in range(B):
         tgt = (eps[i] - x0[i]).flatten().tolist()

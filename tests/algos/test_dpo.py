@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import LossInputs, algorithm
 from diffrl.algos.dpo import DPOInputs, DPOLoss, preference_pairs, sample_logit_normal_sigmas
 
 C, H, W = 2, 2, 2
@@ -80,7 +80,7 @@ def test_z_loss_and_implicit_accuracy_by_hand():
     err_theta = [0.10, 0.35, 0.40, 0.20]
     err_ref = [0.30, 0.30, 0.30, 0.30]
     batch, v = constant_case(err_theta, err_ref, beta)
-    loss, m = get_loss("dpo").compute(batch, v, cfg(beta))
+    loss, m = algorithm("dpo").loss().compute(batch, v, cfg(beta))
     # pair 0: Δ_w = −0.2,  Δ_l = 0.1  -> z = −2·(−0.3)  = 0.6
     # pair 1: Δ_w = 0.05,  Δ_l = −0.1 -> z = −2·(0.15)  = −0.3
     z = [0.6, -0.3]

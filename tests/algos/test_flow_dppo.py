@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import LossInputs, algorithm
 from diffrl.algos.flow_dppo import FlowDPPOLoss
 from diffrl.sde import StepOut
 
@@ -105,7 +105,7 @@ def test_threshold_is_inclusive_and_read_from_cfg():
     d = 1.0 / (2 * 0.3**2)
     batch = LossInputs(adv, torch.zeros(1, dtype=torch.float64), old_mean=old_mean)
     for threshold, dropped in ((d * 0.999, True), (d * 1.001, False)):
-        loss, m = get_loss("flow_dppo").compute(batch, step_out(mean, logp, std_B), cfg(threshold))
+        loss, m = algorithm("flow_dppo").loss().compute(batch, step_out(mean, logp, std_B), cfg(threshold))
         assert m["masked_fraction"] == float(dropped)
         assert loss.item() == pytest.approx(0.0 if dropped else -1.2)
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from diffrl.algos import FlowGRPOLoss, LossInputs, get_loss
+from diffrl.algos import FlowGRPOLoss, LossInputs, algorithm
 from diffrl.config.schema import LossConfig
 from diffrl.sde import StepOut
 
@@ -111,7 +111,7 @@ def test_old_log_prob_and_advantages_are_constants():
     adv = torch.tensor([1.0, -1.0], requires_grad=True)
     old = torch.tensor([0.1, 0.2], requires_grad=True)
     logp = torch.tensor([0.1, 0.2], requires_grad=True)
-    loss, _ = get_loss("flow_grpo").compute(LossInputs(adv, old), step_out(logp), LossConfig())
+    loss, _ = algorithm("flow_grpo").loss().compute(LossInputs(adv, old), step_out(logp), LossConfig())
     loss.backward()
     assert adv.grad is None and old.grad is None and logp.grad is not None
 

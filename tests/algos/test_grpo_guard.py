@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributions import Normal
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import LossInputs, algorithm
 from diffrl.algos.grpo_guard import GRPOGuardLoss
 from diffrl.sde import StepOut
 
@@ -101,7 +101,7 @@ def test_bias_term_and_scaling_against_a_loop_reimplementation():
         old_mean=old_mean,
         weights_B=torch.tensor(weights, dtype=torch.float64),
     )
-    loss, m = get_loss("grpo_guard").compute(batch, out, cfg(clip_ratio=eps))
+    loss, m = algorithm("grpo_guard").loss().compute(batch, out, cfg(clip_ratio=eps))
     expected, biases, ratios = reference(
         mean.detach(), old_mean, logp.detach(), old_logp, s, h, adv, eps, 5.0, weights
     )

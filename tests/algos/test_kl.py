@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from diffrl.algos import KLLoss, LossInputs, get_loss
+from diffrl.algos import KLLoss, LossInputs
 from diffrl.config.schema import LossConfig
 from diffrl.sde import StepOut
 
@@ -46,7 +46,7 @@ def test_sde_variant_matches_the_flow_grpo_formula_by_hand():
 
 def test_transition_variant_is_the_exact_gaussian_kl():
     out, batch = make(1)
-    loss, metrics = get_loss("kl").compute(batch, out, LossConfig(kl_std="transition"))
+    loss, metrics = KLLoss().compute(batch, out, LossConfig(kl_std="transition"))
     tau = out.std_B.view(B, 1, 1, 1).expand(B, C, H, W)
     exact = kl_divergence(Normal(out.mean.detach(), tau), Normal(batch.ref_mean, tau))
     torch.testing.assert_close(loss.detach(), exact.flatten(1).mean(1).mean(), rtol=1e-12, atol=0)

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diffrl.algos import LossInputs, get_loss
+from diffrl.algos import LossInputs, algorithm
 from diffrl.algos.nft import (
     DiffusionNFTLoss,
     NFTInputs,
@@ -111,7 +111,7 @@ def reference_loss(r, x0, x_t, t, v_old, v, beta, c, w_min):
 
 def test_loss_against_a_scalar_reimplementation():
     r, x0, x_t, t, v_old, v = make()
-    loss, m = get_loss("diffusion_nft").compute(NFTInputs(r, x0, x_t, t, v_old), v, cfg())
+    loss, m = algorithm("diffusion_nft").loss().compute(NFTInputs(r, x0, x_t, t, v_old), v, cfg())
     expected, pos_terms, neg_terms = reference_loss(r, x0, x_t, t, v_old, v.detach(), 0.1, 5.0, 1e-5)
     assert loss.item() == pytest.approx(expected, rel=1e-10)
     assert m["policy_loss"] == pytest.approx(expected, rel=1e-10)

@@ -2,13 +2,13 @@ import pytest
 
 from diffrl.algos import (
     FlowGRPOLoss,
-    KLLoss,
+    PolicyGradientSpec,
+    algorithm,
     compute_flow_grpo_advantages,
     get_advantage_estimator,
-    get_loss,
-    register_loss,
+    register_algorithm,
 )
-from diffrl.algos.registry import LOSSES, Registry
+from diffrl.algos.registry import Registry
 
 
 def test_unknown_name_lists_registered_and_suggests():
@@ -61,24 +61,25 @@ def test_register_returns_object_unchanged():
 
 
 def test_builtins_are_registered_on_import():
-    assert isinstance(get_loss("flow_grpo"), FlowGRPOLoss)
-    assert isinstance(get_loss("kl"), KLLoss)
+    assert isinstance(algorithm("flow_grpo").loss(), FlowGRPOLoss)
     assert get_advantage_estimator("flow_grpo") is compute_flow_grpo_advantages
 
 
 def test_global_getters_name_the_registered_ones():
     with pytest.raises(ValueError, match="Did you mean 'flow_grpo'") as info:
-        get_loss("flow_grop")
-    assert "flow_grpo" in str(info.value) and "kl" in str(info.value)
+        algorithm("flow_grop")
+    assert "flow_grpo" in str(info.value) and "dpo" in str(info.value)
     with pytest.raises(ValueError, match="unknown advantage estimator 'grpo'"):
         get_advantage_estimator("grpo")
 
 
-def test_global_duplicate_loss_raises():
+def test_kl_is_not_an_algorithm_and_says_what_to_do():
+    with pytest.raises(ValueError, match=r"not a policy loss: .* set actor\.loss\.kl_coef"):
+        algorithm("kl")
+
+
+def test_global_duplicate_algorithm_raises():
     with pytest.raises(ValueError, match="already registered"):
+        register_algorithm(PolicyGradientSpec(name="flow_grpo", loss=object))
 
-        @register_loss("flow_grpo")
-        class Other:
-            pass
-
-    assert LOSSES.get("flow_grpo") is FlowGRPOLoss
+    assert algorithm("flow_grpo").loss is FlowGRPOLoss

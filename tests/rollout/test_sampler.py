@@ -3,8 +3,9 @@ import torch
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig, ValidationConfig
 from diffrl.models import load_model
-from diffrl.rollout import TrajectorySampler, evaluate_step
+from diffrl.rollout import TrajectorySampler
 from diffrl.seeding import GROUP_NOISE_STREAM, NOISE_STREAM, generator
+from diffrl.transition import evaluate_step
 
 PROMPTS = ["a red circle above a blue square", "two green triangles", "one yellow square"]
 

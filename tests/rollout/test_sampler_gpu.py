@@ -5,7 +5,8 @@ import torch
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
 from diffrl.models import load_model
-from diffrl.rollout import TrajectorySampler, evaluate_step
+from diffrl.rollout import TrajectorySampler
+from diffrl.transition import evaluate_step
 
 pytestmark = pytest.mark.gpu
 

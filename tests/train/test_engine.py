@@ -15,6 +15,7 @@ from diffrl.config.schema import (
 )
 from diffrl.models import load_model
 from diffrl.rollout import TrajectorySampler
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine, lr_lambda
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -41,6 +42,13 @@ def make(tiny_model, *, rank=4, lr=1e-3, clip_ratio=1e-4, kl_coef=0.0, with_old=
     )
     sampler = TrajectorySampler(adapter, rollout_cfg, progress=False)
     return engine, sampler
+
+
+def batch(rollout, advantages_B, **targets):
+    """The rollout with the controller's training targets."""
+    return PolicyGradientBatch(
+        rollout, TrainingTargets(advantages_B=advantages_B, **targets, batch_size=[len(rollout)])
+    )
 
 
 def lora_tensors(engine, name):
@@ -77,10 +85,10 @@ def test_flow_grpo_steps_raise_positive_and_lower_negative_samples(tiny_model):
     engine, sampler = make(tiny_model, lr=3e-3, clip_ratio=0.5)
     rollout = sampler.sample(PROMPTS, seed=1, step=0)
     advantages = torch.tensor([1.0, -1.0] * 4)
-    rollout.samples.advantages_B = advantages
+    trained = batch(rollout, advantages)
     before, _ = engine.log_probs(rollout)
     for _ in range(4):
-        engine.forward_backward([rollout.select(slice(0, 4)), rollout.select(slice(4, 8))])
+        engine.forward_backward([trained.select(slice(0, 4)), trained.select(slice(4, 8))])
         engine.optim_step()
     after, _ = engine.log_probs(rollout)
     change = (after - before).mean(dim=1)
@@ -94,9 +102,9 @@ def test_flow_grpo_steps_raise_positive_and_lower_negative_samples(tiny_model):
 def test_micro_batch_split_accumulates_the_same_gradient(tiny_model):
     engine, sampler = make(tiny_model, clip_ratio=1e-5)
     rollout = sampler.sample(PROMPTS, seed=2, step=0)
-    rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
+    trained = batch(rollout, torch.linspace(-1, 1, 8))
     perturb_lora(engine, scale=0.05)  # after sampling: ratios leave 1 and the clip is active
-    whole = rollout.select(slice(0, 4))
+    whole = trained.select(slice(0, 4))
     assert 0 < engine.forward_backward([whole])["clipfrac"] < 1
     engine.optimizer.zero_grad()
     engine.forward_backward([whole])
@@ -157,17 +165,16 @@ def test_non_finite_gradient_step_is_skipped_and_counted(tiny_model):
 def test_kl_term_uses_reference_means_and_is_zero_at_the_reference(tiny_model):
     engine, sampler = make(tiny_model, kl_coef=0.1)
     rollout = sampler.sample(PROMPTS, seed=0, step=0)
-    rollout.samples.advantages_B = torch.zeros(8)
     _, ref_means = engine.log_probs(rollout, REFERENCE)
-    rollout.samples.ref_means = ref_means
-    metrics = engine.forward_backward([rollout.select(slice(0, 4))])
+    trained = batch(rollout, torch.zeros(8), ref_means=ref_means)
+    metrics = engine.forward_backward([trained.select(slice(0, 4))])
     assert metrics["kl"] == 0.0  # LoRA B starts at zero: the policy is the reference
     perturb_lora(engine)
     engine.optimizer.zero_grad()
-    assert engine.forward_backward([rollout.select(slice(0, 4))])["kl"] > 0
-    rollout.samples.ref_means = None
+    assert engine.forward_backward([trained.select(slice(0, 4))])["kl"] > 0
+    trained.targets.ref_means = None
     with pytest.raises(ValueError, match="no ref_means"):
-        engine.forward_backward([rollout.select(slice(0, 4))])
+        engine.forward_backward([trained.select(slice(0, 4))])
 
 
 def test_full_fine_tuning_trains_everything_and_keeps_a_frozen_reference(tiny_model):
@@ -175,23 +182,25 @@ def test_full_fine_tuning_trains_everything_and_keeps_a_frozen_reference(tiny_mo
     assert all(p.requires_grad for p in engine.transformer.parameters())
     assert engine.reference is not None and not any(p.requires_grad for p in engine.reference.parameters())
     rollout = sampler.sample(PROMPTS, seed=0, step=0)
-    rollout.samples.advantages_B = torch.tensor([1.0, -1.0] * 4)
-    _, rollout.samples.ref_means = engine.log_probs(rollout, REFERENCE)
-    engine.forward_backward([rollout.select(slice(0, 4))])
+    _, ref_means = engine.log_probs(rollout, REFERENCE)
+    trained = batch(rollout, torch.tensor([1.0, -1.0] * 4), ref_means=ref_means)
+    engine.forward_backward([trained.select(slice(0, 4))])
     engine.optim_step()
     _, moved = engine.log_probs(rollout)
     _, still = engine.log_probs(rollout, REFERENCE)
     assert not torch.equal(moved, still)
-    torch.testing.assert_close(still, rollout.samples.ref_means)
+    torch.testing.assert_close(still, ref_means)
     with pytest.raises(ValueError, match="needs LoRA"):
         make(tiny_model, rank=0, with_old=True)
 
 
 def test_missing_advantages_is_an_error(tiny_model):
-    engine, sampler = make(tiny_model)
+    _, sampler = make(tiny_model)
     rollout = sampler.sample(PROMPTS, seed=0, step=0)
-    with pytest.raises(ValueError, match="no advantages"):
-        engine.forward_backward([rollout])
+    with pytest.raises(TypeError, match="advantages_B"):
+        TrainingTargets(batch_size=[len(rollout)])
+    with pytest.raises(ValueError, match="4 training targets for 8 rollout samples"):
+        PolicyGradientBatch(rollout, TrainingTargets(advantages_B=torch.zeros(4), batch_size=[4]))
 
 
 @pytest.mark.parametrize(
@@ -217,19 +226,18 @@ def test_step_subsets_train_each_sample_on_its_own_steps(tiny_model):
     samples, of each sample's gradient on the steps it trains, computed one sample at a time."""
     engine, sampler = make(tiny_model, clip_ratio=1e-5)
     rollout = sampler.sample(PROMPTS, seed=3, step=0)
-    rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
     perturb_lora(engine, scale=0.05)  # ratios leave 1: the clip is active for some terms
     mask = torch.tensor([[True, False], [False, True]] * 4)  # K = 1 of W = 2 steps per sample
-    rollout.samples.train_mask_BW = mask
+    trained = batch(rollout, torch.linspace(-1, 1, 8), train_mask_BW=mask)
     engine.optimizer.zero_grad()
-    engine.forward_backward([rollout.select(slice(0, 4)), rollout.select(slice(4, 8))])
+    engine.forward_backward([trained.select(slice(0, 4)), trained.select(slice(4, 8))])
     masked = _grads(engine)
 
     engine.optimizer.zero_grad()
     for i in range(8):
-        one = rollout.select([i])
+        one = trained.select([i])
         (j,) = torch.nonzero(mask[i]).flatten().tolist()
-        loss, _ = engine._step_loss(one, j, False, engine.cfg.loss)
+        loss, _ = engine._step_loss(one, j)
         (loss / 8).backward()
     for a, b in zip(masked, _grads(engine), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
@@ -240,13 +248,12 @@ def test_rollout_correction_weights_scale_each_samples_term(tiny_model):
     divides by the micro-batch size (the half that is left contributes half its own gradient)."""
     engine, sampler = make(tiny_model)
     rollout = sampler.sample(PROMPTS, seed=4, step=0)
-    rollout.samples.advantages_B = torch.linspace(-1, 1, 8)
-    half = rollout.select(slice(0, 4))
+    half = batch(rollout, torch.linspace(-1, 1, 8)).select(slice(0, 4))
     kept = half.select(slice(0, 2))
     engine.optimizer.zero_grad()
     engine.forward_backward([kept])
     expected = [g / 2 for g in _grads(engine)]
-    half.samples.weights_BW = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    half.targets.weights_BW = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
     engine.optimizer.zero_grad()
     engine.forward_backward([half])
     for a, b in zip(_grads(engine), expected, strict=True):
@@ -266,7 +273,7 @@ def _rollout_with_random_lora(tiny_model, *, rollout_micro: int, actor_micro: in
 
 def _trainer_log_probs(engine, rollout, micro):
     """The trainer's first forward (grad on, its own micro-batches), as `_step_loss` computes it."""
-    from diffrl.rollout.sampler import evaluate_step
+    from diffrl.transition import evaluate_step
 
     rows = []
     for s in range(0, len(rollout), micro):

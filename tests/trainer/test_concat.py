@@ -2,8 +2,9 @@ import torch
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
 from diffrl.models import load_model
-from diffrl.rollout import TrajectorySampler, evaluate_step
+from diffrl.rollout import TrajectorySampler
 from diffrl.trainer.sharding import concat_rollouts
+from diffrl.transition import evaluate_step
 
 
 def test_joining_workers_rollouts_with_different_text_lengths_keeps_every_samples_math(tiny_model):

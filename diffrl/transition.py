@@ -1,4 +1,11 @@
-"""The `Rollout` batch: what the sampler produces and the trainer consumes."""
+"""The transition shared by the sampler and the trainer: the `Rollout` batch and step re-evaluation.
+
+The sampler (`diffrl.rollout`) produces a `Rollout`: per-sample SDE-window trajectories with their
+log-probs, plus what they are conditioned on. The trainer (`diffrl.train`) re-evaluates its window
+steps with the current weights through `evaluate_step`: the same adapter call and the same
+`diffrl.sde.step` the sampler used, so with unchanged weights it reproduces the sampled log-probs
+exactly. Both import this module; neither imports the other.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ from typing import Any
 import torch
 from tensordict import tensorclass
 
-from diffrl.models.base import PromptEmbeds
+from diffrl import sde
+from diffrl.models.base import ModelAdapter, PromptEmbeds
 
 
 @dataclass(frozen=True)
@@ -44,13 +52,6 @@ class Trajectories:
     pixels: torch.Tensor  # uint8 [B, 3, H, W] or [B, T, 3, H, W]
     prompt_index_B: torch.Tensor  # long [B]: row of the sample's prompt in Rollout.prompt_embeds
     sample_index_B: torch.Tensor  # long [B]: index of the sample within its step (its seed key)
-    # Set by the trainer before the update (None until then):
-    advantages_B: torch.Tensor | None = None  # fp32 [B]
-    old_log_probs_BW: torch.Tensor | None = None  # fp32 [B, W]; None = the rollout's own log_probs_BW
-    ref_means: torch.Tensor | None = None  # fp32 [B, W, ...]: the reference policy's SDE means (KL)
-    old_means: torch.Tensor | None = None  # fp32 [B, W, ...]: recomputed old means; None = `means`
-    weights_BW: torch.Tensor | None = None  # fp32 [B, W]: rollout-correction loss weights; None = 1
-    train_mask_BW: torch.Tensor | None = None  # bool [B, W]: the steps each sample trains; None = all
 
 
 @dataclass
@@ -121,3 +122,53 @@ class Rollout:
     def sample_cond(self) -> PromptEmbeds:
         """One row of prompt embeddings per sample."""
         return self.prompt_embeds[self.samples.prompt_index_B.to(self.prompt_embeds.embeds.device)]
+
+
+@torch.no_grad()
+def evaluate_window(
+    adapter: ModelAdapter, rollout: Rollout, micro_batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_probs_BW, means [B, W, ...]) of every window step, micro-batch by micro-batch, no grad."""
+    log_probs, means = [], []
+    for start in range(0, len(rollout), micro_batch_size):
+        mb = rollout.select(slice(start, start + micro_batch_size))
+        outs = [evaluate_step(adapter, mb, j) for j in range(rollout.window_size)]
+        log_probs.append(torch.stack([o.log_prob_B for o in outs], dim=1))
+        means.append(torch.stack([o.mean for o in outs], dim=1))
+    return torch.cat(log_probs), torch.cat(means)
+
+
+def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOut:
+    """Re-evaluate window step j of `rollout`'s samples with the adapter's current weights.
+
+    Recomputes the velocity at the stored x_{k0+j} (CFG as sampled), then the SDE mean, std and the
+    log-prob of the stored x_{k0+j+1}. Grad flows when enabled (the trainer's path); which LoRA
+    adapters are active is the caller's context.
+    """
+    s = rollout.settings
+    if not 0 <= j < rollout.window_size:
+        raise IndexError(f"window step {j} out of range: the rollout has {rollout.window_size} window steps")
+    device = adapter.device
+    latents = rollout.samples.window_latents[:, j].to(device)
+    next_latents = rollout.samples.window_latents[:, j + 1].to(device)
+    batch = latents.shape[0]
+    v = adapter.velocity(
+        latents,
+        rollout.timesteps[j].to(device).expand(batch),
+        rollout.sample_cond(),
+        s.guidance_scale,
+        height=s.height,
+        width=s.width,
+        num_frames=s.num_frames,
+        true_cfg_scale=s.true_cfg_scale,
+    )
+    return sde.step(
+        s.sde_type,
+        latents,
+        v,
+        rollout.sigmas[j].to(device),
+        rollout.sigmas[j + 1].to(device),
+        s.noise_level,
+        sigma_1=s.sigma_1,
+        next_latents=next_latents,
+    )

@@ -1,0 +1,171 @@
+"""What each algorithm declares about itself, and the table the loops and the config read.
+
+Every algorithm file ends with one `register_algorithm(...)` call. The declaration says which loop
+feeds the algorithm, what that loop must prepare for it, its own `actor.loss` settings and its
+metrics; the trainers, the run driver and the config schema ask the declaration, never the name:
+
+    register_algorithm(PolicyGradientSpec(
+        name="flow_dppo",                      # actor.loss.mode
+        loss=FlowDPPOLoss,                     # compute(LossInputs, StepOut, cfg) per window step
+        settings=FlowDPPOSettings,             # its keys under actor.loss, validated there
+        metrics=METRIC_NAMES,                  # logged under actor/
+        needs_old_mean=True,                   # LossInputs.old_mean is filled
+    ))
+
+Two kinds of entries, one per loop, because the two loss signatures differ:
+
+- `PolicyGradientSpec`: the loss scores the SDE transitions of the rollout (one call per window
+  step, `LossInputs` + `diffrl.sde.StepOut`), fed by `diffrl.trainer.policy_gradient`;
+- `DirectPreferenceSpec`: the loss noises clean samples afresh (the forward process), fed by
+  `diffrl.trainer.direct_preference`; its `term` computes one micro-batch's loss at one noise
+  level from the network's velocities (`Velocities`), which the shared accumulation loop calls.
+
+The KL-to-reference penalty is not an algorithm (it adds to any policy-gradient loss when
+`actor.loss.kl_coef > 0`): it is `diffrl.algos.kl.KLLoss`, outside this table.
+
+This module and the declarations import no torch (the algorithm files defer it, see
+`diffrl.lazy`), so `diffrl config` validates a config in well under a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
+
+from diffrl.algos.registry import Registry
+
+POLICY_GRADIENT = "policy_gradient"
+DIRECT_PREFERENCE = "direct_preference"
+#: The loops, i.e. the values of `algorithm.trainer_type`.
+LOOPS = (POLICY_GRADIENT, DIRECT_PREFERENCE)
+
+#: What a direct-preference loss trains on: clean samples with their advantages, or preference
+#: pairs (the only kind an offline dataset provides).
+SAMPLES = "samples"
+PAIRS = "pairs"
+
+
+class Velocities(Protocol):
+    """The network's fp32 velocity at (x_t, σ_B) under each policy a forward-process term may read;
+    `trained` carries the gradient, `old` (the `old` adapter) and `reference` do not."""
+
+    def trained(self, x_t: Any, sigmas_B: Any, cond: Any) -> Any: ...
+
+    def old(self, x_t: Any, sigmas_B: Any, cond: Any) -> Any: ...
+
+    def reference(self, x_t: Any, sigmas_B: Any, cond: Any) -> Any: ...
+
+
+def _never(loss_cfg: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What every algorithm declares (see the module docstring).
+
+    name:     the `actor.loss.mode` value that selects it
+    loss:     the loss class, constructed without arguments
+    settings: a dataclass of its own `actor.loss` keys, with a `validate(at)` method; None if it
+              has none (the shared keys `clip_ratio`, `adv_clip_max`, `kl_coef`, `kl_std` are the
+              schema's)
+    metrics:  the names its loss returns, logged under `actor/`
+    """
+
+    loop: ClassVar[str]
+
+    name: str
+    loss: Callable[[], Any]
+    settings: type | None = None
+    metrics: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PolicyGradientSpec(AlgorithmSpec):
+    """A loss on the rollout's SDE transitions; `needs_old_mean`: the loop fills `LossInputs.old_mean`
+    (the rollout's stored SDE means when its log-probs are reused, else recomputed ones)."""
+
+    loop: ClassVar[str] = POLICY_GRADIENT
+
+    needs_old_mean: bool = False
+
+
+@dataclass(frozen=True)
+class DirectPreferenceSpec(AlgorithmSpec):
+    """A forward-process loss on clean samples.
+
+    term:              the per-micro-batch loss at one noise level, called by the shared loop:
+                       SAMPLES: term(batch, noise, sigmas_B, loss_cfg, velocities, adv_mode)
+                       PAIRS:   term(batch, noise, sigmas_P, loss_cfg, velocities)
+                       -> (scalar loss with grad, metrics)
+    trains_on:         SAMPLES or PAIRS (pairs can also come from an offline dataset)
+    samples_with_old:  the rollout samples with the `old` adapter instead of the trained one
+    needs_old_adapter: whether, under these `actor.loss` settings, it reads the `old` adapter
+    needs_reference:   it always reads the reference (not only when `kl_coef > 0`): under full
+                       fine-tuning the workers then keep a frozen copy
+    """
+
+    loop: ClassVar[str] = DIRECT_PREFERENCE
+
+    term: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
+    trains_on: str = SAMPLES
+    samples_with_old: bool = False
+    needs_old_adapter: Callable[[Any], bool] = _never
+    needs_reference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.term is None:
+            raise ValueError(f"algorithm {self.name!r}: a direct-preference algorithm needs its `term`")
+        if self.trains_on not in (SAMPLES, PAIRS):
+            raise ValueError(
+                f"algorithm {self.name!r}: trains_on={self.trains_on!r} must be {SAMPLES!r} or {PAIRS!r}"
+            )
+
+
+ALGORITHMS: Registry[AlgorithmSpec] = Registry("loss")
+# Names a user may try as actor.loss.mode that are something else, with what to do instead.
+_NOT_ALGORITHMS: dict[str, str] = {}
+
+
+def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
+    """Add `spec` to the table; its settings' keys must not collide with another algorithm's."""
+    taken = {name for other in ALGORITHMS.values() for name in settings_keys(other)}
+    clash = sorted(taken & set(settings_keys(spec)))
+    if clash:
+        raise ValueError(f"algorithm {spec.name!r}: settings {clash} are already another algorithm's keys")
+    return ALGORITHMS.register(spec.name)(spec)
+
+
+def explain_not_an_algorithm(name: str, explanation: str) -> None:
+    """Make `algorithm(name)` raise `explanation` (a ValueError) instead of "unknown loss"."""
+    _NOT_ALGORITHMS[name] = explanation
+
+
+def algorithm(name: str) -> AlgorithmSpec:
+    """The declaration registered as `name` (`actor.loss.mode`); ValueError listing them otherwise."""
+    if name in _NOT_ALGORITHMS:
+        raise ValueError(_NOT_ALGORITHMS[name])
+    return ALGORITHMS.get(name)
+
+
+def algorithms(loop: str | None = None) -> list[AlgorithmSpec]:
+    """The declarations in registration order, those of `loop` only when given."""
+    return [spec for spec in ALGORITHMS.values() if loop is None or spec.loop == loop]
+
+
+def settings_keys(spec: AlgorithmSpec) -> list[str]:
+    return [f.name for f in fields(spec.settings)] if spec.settings is not None else []
+
+
+def algorithm_settings(spec: AlgorithmSpec, loss_cfg: Any) -> Any:
+    """`spec.settings` filled from the flat `actor.loss` section (None when it has no settings)."""
+    if spec.settings is None:
+        return None
+    return spec.settings(**{key: getattr(loss_cfg, key) for key in settings_keys(spec)})
+
+
+def uses_old_adapter(loss_cfg: Any) -> bool:
+    """Whether the algorithm of `actor.loss` (`loss_cfg`), with these settings, reads the `old` adapter."""
+    spec = algorithm(loss_cfg.mode)
+    return isinstance(spec, DirectPreferenceSpec) and spec.needs_old_adapter(loss_cfg)

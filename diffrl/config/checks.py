@@ -1,0 +1,30 @@
+"""The config's error type and range checks, shared by the schema and the algorithms' settings.
+
+Stdlib only: `diffrl.algos` declarations validate their own settings with these, and the schema
+imports those declarations, so nothing here may import either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key, the value and what is allowed."""
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def require_choice(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    require(value in choices, key, value, f"must be one of {', '.join(map(repr, choices))}")
+
+
+def require_positive(key: str, value: float) -> None:
+    require(value > 0, key, value, "must be > 0")
+
+
+def require_at_least(key: str, value: float, low: float) -> None:
+    require(value >= low, key, value, f"must be >= {low}")
