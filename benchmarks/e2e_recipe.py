@@ -1,6 +1,6 @@
 """End-to-end `diffrl train` speed of two SD3.5-Medium recipes on one GPU: one JSON line.
 
-Both recipes run through the real machinery (`diffrl.trainer.run.train`: config, preflight,
+Both recipes run through the real machinery (`diffrl.controller.run.train`: config, preflight,
 in-process worker, sampler, JPEG reward, advantages, engine, checkpoint) on a random
 SD3.5-Medium-sized pipeline (`random_sd35_medium.py`: real transformer and VAE, one-layer text
 encoders of the real widths). Common: 512², 10 steps, CFG 4.5, noise level 0.7, LoRA r32/α64,
@@ -106,7 +106,7 @@ def build_model(path: Path, tiny: bool, device: str) -> None:
 
 
 def run_recipe(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict:
-    from diffrl.trainer.run import train
+    from diffrl.controller.run import train
 
     total = args.warmup + args.steps
     overrides = [

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from diffrl.config import load_config
 from diffrl.config.loader import preset_names
+from diffrl.controller.run import train
 from diffrl.telemetry.report import validation_metrics
 from diffrl.telemetry.sinks import read_metrics
-from diffrl.trainer.run import train
 
 GPU_SCALE = [
     "data.prompts_per_step=32",

@@ -59,7 +59,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from diffrl.trainer.run import train
+    from diffrl.controller.run import train
 
     source, overrides = _split_source(args.items)
     run_dir = train(source, overrides)
@@ -68,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from diffrl.trainer.sft import sft
+    from diffrl.controller.sft import sft
 
     source, overrides = _split_source(args.items)
     run_dir = sft(source, overrides)
@@ -77,7 +77,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from diffrl.trainer.evaluate import evaluate
+    from diffrl.controller.evaluate import evaluate
 
     evaluate(args.target, args.overrides, args.out)
     return 0

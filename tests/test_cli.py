@@ -171,7 +171,7 @@ def test_parsing_and_config_import_nothing_heavy(argv):
 
 def test_the_offline_dpo_preset_sets_rollout_n_itself(tmp_path):
     """`diffrl train offline_dpo data.train_files=[pairs.jsonl]` needs no rollout.n=2; the preset is
-    tiny_sd3 with the keys tests/trainer/test_direct_preference.py runs offline DPO with."""
+    tiny_sd3 with the keys tests/controller/test_direct_preference.py runs offline DPO with."""
     cfg = load_config("offline_dpo", ["data.train_files=[pairs.jsonl]"])
     assert (cfg.rollout.n, cfg.actor.loss.mode, cfg.algorithm.sample_source) == (2, "dpo", "offline")
     by_hand = load_config(

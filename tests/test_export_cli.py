@@ -22,11 +22,11 @@ from PIL import Image
 
 from diffrl.cli import main
 from diffrl.config import load_config
+from diffrl.controller.run import train
 from diffrl.models import load_model
 from diffrl.rollout.generate import generate
 from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
 from diffrl.train.engine import TrainEngine
-from diffrl.trainer.run import train
 
 PROMPTS = ["a red circle", "two blue squares"]
 SAMPLE = dict(n=2, steps=4, guidance_scale=4.5, height=32, width=32, max_sequence_length=16, seed=3)

@@ -15,9 +15,9 @@ metrics; the trainers, the run driver and the config schema ask the declaration,
 Two kinds of entries, one per loop, because the two loss signatures differ:
 
 - `PolicyGradientSpec`: the loss scores the SDE transitions of the rollout (one call per window
-  step, `LossInputs` + `diffrl.sde.StepOut`), fed by `diffrl.trainer.policy_gradient`;
+  step, `LossInputs` + `diffrl.sde.StepOut`), fed by `diffrl.controller.policy_gradient`;
 - `DirectPreferenceSpec`: the loss noises clean samples afresh (the forward process), fed by
-  `diffrl.trainer.direct_preference`; its `term` computes one micro-batch's loss at one noise
+  `diffrl.controller.direct_preference`; its `term` computes one micro-batch's loss at one noise
   level from the network's velocities (`Velocities`), which the shared accumulation loop calls.
 
 The KL-to-reference penalty is not an algorithm (it adds to any policy-gradient loss when

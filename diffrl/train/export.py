@@ -323,10 +323,10 @@ def export_run(
     with `merge`, or for a full fine-tuning run, the whole pipeline (`export_pipeline`).
     """
     from diffrl.config import load_config
+    from diffrl.controller.run import worker_options
     from diffrl.models import load_model
     from diffrl.train.checkpoint import load_checkpoint
     from diffrl.train.engine import TrainEngine
-    from diffrl.trainer.run import worker_options
 
     run_dir, checkpoint = resolve_run_checkpoint(target)
     cfg = load_config(str(run_dir / "config.yaml"), job="eval")

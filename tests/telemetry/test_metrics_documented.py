@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffrl.controller.run import train
+from diffrl.controller.sft import sft
 from diffrl.telemetry import read_metrics
-from diffrl.trainer.run import train
-from diffrl.trainer.sft import sft
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -24,7 +24,7 @@ NOT_IN_THESE_RUNS = {
     "perf/mfu/step": "GPU",
     "perf/max_memory_allocated_gb": "GPU",
     "perf/max_memory_reserved_gb": "GPU",
-    # policy-gradient loss variants (tests/trainer/test_policy_gradient_family.py runs them)
+    # policy-gradient loss variants (tests/controller/test_policy_gradient_family.py runs them)
     "actor/ratio_mean_bias": "grpo_guard",
     "actor/sigma_t": "grpo_guard",
     "actor/sqrt_dt": "grpo_guard",

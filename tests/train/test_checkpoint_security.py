@@ -20,10 +20,10 @@ from peft import LoraConfig
 import diffrl.train.checkpoint as checkpoint
 from diffrl.cli import main
 from diffrl.config import load_config, to_yaml
+from diffrl.controller.run import find_checkpoint
 from diffrl.models import load_model
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
-from diffrl.trainer.run import find_checkpoint
 
 # Every kind of file a checkpoint with an optimizer and a scheduler holds: the payload test must cover each.
 KINDS = {

@@ -16,7 +16,7 @@ import textwrap
 CLUSTER_SCRIPT = textwrap.dedent(
     """
     import json, os, psutil, sys
-    import diffrl.trainer.run  # what `diffrl train` imports before it starts Ray
+    import diffrl.controller.run  # what `diffrl train` imports before it starts Ray
     from diffrl.workers.group import ensure_ray
     assert "ray" not in sys.modules, "diffrl imported ray before ensure_ray could configure it"
     assert ensure_ray(num_cpus=1)

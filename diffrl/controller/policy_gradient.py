@@ -32,15 +32,15 @@ from diffrl.algos import PolicyGradientSpec, advantage_metrics, algorithm, get_a
 from diffrl.algos.nft import timestep_subset, timestep_subset_mask
 from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
+from diffrl.controller.loop import TrainingLoop
+from diffrl.controller.minibatches import mini_batches
+from diffrl.controller.sharding import sample_groups, split_even
 from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
-from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.minibatches import mini_batches
-from diffrl.trainer.sharding import sample_groups, split_even
 from diffrl.transition import Rollout
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from diffrl.config import load_config
 from diffrl.config.schema import Config
+from diffrl.controller.run import preflight_common, worker_session
+from diffrl.controller.validation import run_validation
 from diffrl.telemetry.report import validation_metrics
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
-from diffrl.trainer.run import preflight_common, worker_session
-from diffrl.trainer.validation import run_validation
 
 
 def resolve_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path | None, Path]:

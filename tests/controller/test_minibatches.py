@@ -1,7 +1,7 @@
 import torch
 
 from diffrl.config import load_config
-from diffrl.trainer.minibatches import mini_batches
+from diffrl.controller.minibatches import mini_batches
 
 
 def config(*overrides):

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
+from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics
-from diffrl.trainer.run import train
 
 FAST = [
     "trainer.total_steps=2",

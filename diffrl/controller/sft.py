@@ -28,12 +28,12 @@ from PIL import Image
 
 from diffrl.config import load_config
 from diffrl.config.schema import Config
+from diffrl.controller.loop import TrainingLoop
+from diffrl.controller.run import job, preflight_common, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
 from diffrl.files import write_json
 from diffrl.seeding import SFT_STREAM, derive_seed
-from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.run import job, preflight_common, run_loop
 from diffrl.workers.roles import ImageShard
 
 

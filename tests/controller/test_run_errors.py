@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from diffrl.cli import main
-from diffrl.trainer import run as run_module
+from diffrl.controller import run as run_module
 
 FAST = [
     "trainer.total_steps=1",
@@ -151,7 +151,7 @@ def test_a_failed_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run
     assert snapshot(run_dir) == before  # config.yaml, metrics.jsonl, checkpoints: untouched
     monkeypatch.undo()
     # and the run is still usable: its config still describes its checkpoint
-    from diffrl.trainer.evaluate import resolve_target
+    from diffrl.controller.evaluate import resolve_target
 
     cfg, checkpoint, _ = resolve_target(str(run_dir), [])
     assert cfg.model.lora.rank == 4 and checkpoint.name == "step_00000001"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from diffrl.cli import main
+from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics as diffrl_read_metrics
-from diffrl.trainer.run import train
 
 SMALL = ["trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
 NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")

@@ -48,6 +48,9 @@ from diffrl.algos import (
 from diffrl.algos.dpo import preference_pairs
 from diffrl.algos.nft import old_policy_decay
 from diffrl.config.schema import Config
+from diffrl.controller.loop import TrainingLoop
+from diffrl.controller.minibatches import mini_batches
+from diffrl.controller.sharding import sample_groups
 from diffrl.data import PromptRecord
 from diffrl.data.images import load_image_rows
 from diffrl.data.preference import (
@@ -62,9 +65,6 @@ from diffrl.models.base import PromptEmbeds
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.train.engine import OLD, POLICY
 from diffrl.train.preference import CleanBatch, PairBatch, conditional, join_worker_metrics
-from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.minibatches import mini_batches
-from diffrl.trainer.sharding import sample_groups
 from diffrl.transition import Rollout
 
 _ENCODE_CHUNK = 256  # images read and sent to the workers at a time while building the cache

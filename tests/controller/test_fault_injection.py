@@ -33,7 +33,7 @@ NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
 ZYGOTE = textwrap.dedent(
     """
     import json, os, signal, sys
-    import diffrl.cli, diffrl.trainer.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
+    import diffrl.cli, diffrl.controller.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
@@ -66,7 +66,7 @@ ZYGOTE = textwrap.dedent(
     def kill_worker(what):
         # SIGKILL a worker process (actor rank 1, or the reward actor) as the first step starts.
         import ray
-        from diffrl.trainer.policy_gradient import PolicyGradientTrainer
+        from diffrl.controller.policy_gradient import PolicyGradientTrainer
 
         original = PolicyGradientTrainer.train_step
 

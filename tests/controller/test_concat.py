@@ -1,9 +1,9 @@
 import torch
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
+from diffrl.controller.sharding import concat_rollouts
 from diffrl.models import load_model
 from diffrl.rollout import TrajectorySampler
-from diffrl.trainer.sharding import concat_rollouts
 from diffrl.transition import evaluate_step
 
 

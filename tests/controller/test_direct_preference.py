@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 from diffrl.cli import main
+from diffrl.controller.run import train
 from diffrl.data.preference import CACHE_DIR, CACHE_FILE
 from diffrl.telemetry import read_metrics
 from diffrl.train.engine import OLD, POLICY
-from diffrl.trainer.run import train
 from diffrl.workers.roles import HybridWorker
 
 FAST = [

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from diffrl.config.schema import Config
+from diffrl.controller.validation import run_validation
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.telemetry.console import progress
-from diffrl.trainer.validation import run_validation
 from diffrl.workers.group import WorkerGroup
 
 # What a step's update depends on, in the order data flows: the first non-finite one is named.

@@ -32,14 +32,14 @@ from diffrl.algos import (
 from diffrl.config import load_config, to_yaml
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
+from diffrl.controller.loop import TrainingLoop
+from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.files import write_json
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
-from diffrl.trainer.loop import TrainingLoop
-from diffrl.trainer.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.workers.group import WorkerGroup
 
 BUILTIN_DATA = Path(__file__).resolve().parents[1] / "config" / "presets" / "data"
@@ -525,7 +525,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             logger=j.logger,
         )
         if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
-            from diffrl.trainer.direct_preference import DirectPreferenceTrainer
+            from diffrl.controller.direct_preference import DirectPreferenceTrainer
 
             trainer: TrainingLoop = DirectPreferenceTrainer(cfg, j.run_dir, **loop_args)
         else:

@@ -9,10 +9,10 @@ import torch
 import yaml
 from PIL import Image
 
+from diffrl.controller.evaluate import evaluate
+from diffrl.controller.sft import sft
 from diffrl.models import load_model
 from diffrl.telemetry import read_metrics
-from diffrl.trainer.evaluate import evaluate
-from diffrl.trainer.sft import sft
 
 
 def _dataset(root, n=8, size=32):
