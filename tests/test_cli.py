@@ -145,20 +145,27 @@ def test_preset_headers_without_a_valid_level_are_rejected(tmp_path):
         preset_info("b", tmp_path)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["presets"], ["train", "--help"], ["serve-reward", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["presets"], ["config"], ["train", "--help"], ["serve-reward", "--help"]]
+)
 def test_parsing_and_config_import_nothing_heavy(argv):
-    """`diffrl --help` and `diffrl presets` must start fast: no torch, diffusers, transformers or Ray
-    at all (importing them is most of a slow start). `serve-reward --help` imports the reward server
-    (its own parser), so it is checked for printing that parser, not for being light."""
+    """`diffrl --help`, `diffrl presets` and `diffrl config` must start fast: no torch, diffusers,
+    transformers, peft or Ray at all (importing them is most of a slow start). A module that
+    `diffrl.lazy` deferred and nothing used yet counts as not imported. `diffrl config` validates
+    the default preset's rewards, so it is checked to have imported them (the check ran, cheaply).
+    `serve-reward --help` imports the reward server (its own parser), so it is checked for printing
+    that parser, not for being light."""
     code = (
         "import sys\n"
         "from diffrl.cli import main\n"
+        "from diffrl.lazy import is_deferred\n"
         "try:\n"
         f"    main({argv!r})\n"
         "except SystemExit:\n"
         "    pass\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'diffusers', 'transformers', 'ray'})\n"
-        "print('HEAVY', heavy, file=sys.stderr)\n"
+        "loaded = {name.split('.')[0] for name, m in list(sys.modules.items()) if not is_deferred(m)}\n"
+        "heavy = sorted(loaded & {'torch', 'diffusers', 'transformers', 'peft', 'ray'})\n"
+        "print('HEAVY', heavy, 'REWARDS', 'diffrl.rewards.shapes' in sys.modules, file=sys.stderr)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
@@ -167,6 +174,9 @@ def test_parsing_and_config_import_nothing_heavy(argv):
         assert "--port" in done.stdout and "reward.functions.http" in done.stdout, done.stdout
         return
     assert "HEAVY []" in done.stderr, done.stderr[-2000:]
+    if argv == ["config"]:
+        assert "reward:" in done.stdout, done.stdout[-2000:]
+        assert "REWARDS True" in done.stderr, done.stderr[-2000:]
 
 
 def test_the_offline_dpo_preset_sets_rollout_n_itself(tmp_path):

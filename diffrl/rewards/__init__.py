@@ -6,6 +6,8 @@ Importing this package registers every built-in reward:
 are imported only when a reward that needs them is built. See docs/rewards.md.
 """
 
+from typing import Any
+
 from diffrl.rewards import clip, jpeg, ocr, remote, shapes, user  # noqa: F401  (registration on import)
 from diffrl.rewards.base import ImageReward, Reward, RewardOutput, check_batch
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardError, RewardSpec, reward_specs
@@ -17,14 +19,28 @@ from diffrl.rewards.registry import (
     register_reward,
     reward_names,
 )
-from diffrl.rewards.workers import (
-    InProcessRewardWorkers,
-    RayRewardWorkers,
-    RewardHandle,
-    RewardWorkers,
-    create_reward_workers,
-    gather,
+
+# The workers import torch and the trainer's worker group (Ray), which only a run needs; the
+# package itself is imported by config validation (`diffrl config`), so they load on first use.
+_FROM_WORKERS = frozenset(
+    {
+        "InProcessRewardWorkers",
+        "RayRewardWorkers",
+        "RewardHandle",
+        "RewardWorkers",
+        "create_reward_workers",
+        "gather",
+    }
 )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_WORKERS:
+        from diffrl.rewards import workers
+
+        return getattr(workers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "REWARDS",

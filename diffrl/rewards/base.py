@@ -31,8 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 from PIL import Image
+
+from diffrl.lazy import lazy_import
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 
 @dataclass

@@ -34,15 +34,17 @@ Scores (per image; videos: mean over frames):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from diffrl.rewards.base import ImageReward, RewardOutput, auto_device, auto_dtype
+from diffrl.lazy import lazy_import
+from diffrl.rewards.base import ImageReward, RewardOutput
 from diffrl.rewards.registry import register_reward
+
+# Declaring these rewards (names, args, the directory checks) is what `diffrl config` validates;
+# loading and running CLIP is torch and transformers, in diffrl.rewards.clip_models, which each
+# reward's constructor imports. So validating a config never imports torch.
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -97,78 +99,6 @@ def check_clip_dirs(reward: str, model: str, processor: str | None, *, text: boo
     return model_dir, processor_dir
 
 
-def _features(output: Any) -> torch.Tensor:
-    """`get_image_features`/`get_text_features` return a tensor (transformers 4) or an output whose
-    `pooler_output` holds the projected embedding (transformers 5)."""
-    return output if isinstance(output, torch.Tensor) else output.pooler_output
-
-
-class ClipEncoder:
-    """A CLIP model and its processor, loaded once; L2-normalised image and text embeddings."""
-
-    def __init__(
-        self,
-        reward: str,
-        model: str,
-        processor: str | None,
-        *,
-        text: bool,
-        device: str,
-        dtype: str,
-        batch_size: int,
-    ) -> None:
-        from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-        model_dir, processor_dir = check_clip_dirs(reward, model, processor, text=text)
-        if batch_size < 1:
-            raise ValueError(f"{reward} reward: batch_size={batch_size!r} is invalid: must be >= 1")
-        self.device = auto_device(device)
-        self.dtype = auto_dtype(dtype, self.device)
-        self.batch_size = batch_size
-        self.model = CLIPModel.from_pretrained(model_dir, local_files_only=True)
-        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
-        loader = CLIPProcessor if text else CLIPImageProcessor
-        self.processor: Any = loader.from_pretrained(processor_dir, local_files_only=True)
-        self.image_processor: Any = self.processor.image_processor if text else self.processor
-
-    def _batched(self, items: list[Any], encode: Callable[[list[Any]], torch.Tensor]) -> torch.Tensor:
-        chunks = [encode(items[i : i + self.batch_size]) for i in range(0, len(items), self.batch_size)]
-        embeds = torch.cat(chunks).float()
-        return embeds / embeds.norm(dim=-1, keepdim=True)
-
-    @torch.inference_mode()
-    def image_embeds(self, frames_N3HW: torch.Tensor) -> torch.Tensor:
-        """(N, D) float32 unit-norm image embeddings of uint8 RGB frames."""
-        # HWC uint8 arrays: the processor resizes, crops, rescales and normalises exactly as in training.
-        arrays = list(frames_N3HW.detach().cpu().permute(0, 2, 3, 1).contiguous().numpy())
-
-        def encode(chunk: list[Any]) -> torch.Tensor:
-            pixel_values = self.image_processor(images=chunk, return_tensors="pt")["pixel_values"]
-            pixel_values = pixel_values.to(self.device, self.dtype)
-            return _features(self.model.get_image_features(pixel_values=pixel_values))
-
-        return self._batched(arrays, encode)
-
-    @torch.inference_mode()
-    def text_embeds(self, prompts: list[str]) -> torch.Tensor:
-        """(N, D) float32 unit-norm text embeddings; prompts past the context length are truncated."""
-        tokenizer = self.processor.tokenizer
-
-        def encode(chunk: list[str]) -> torch.Tensor:
-            tokens = tokenizer(chunk, padding=True, truncation=True, return_tensors="pt").to(self.device)
-            return _features(
-                self.model.get_text_features(
-                    input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
-                )
-            )
-
-        return self._batched(prompts, encode)
-
-    @property
-    def logit_scale(self) -> float:
-        return float(self.model.logit_scale.exp())
-
-
 class _PromptSimilarity(ImageReward):
     """cos(image, prompt) times `scale()`; the shared body of clip_score and pickscore."""
 
@@ -180,6 +110,8 @@ class _PromptSimilarity(ImageReward):
         dtype: str = "auto",
         batch_size: int = 32,
     ) -> None:
+        from diffrl.rewards.clip_models import ClipEncoder
+
         self.encoder = ClipEncoder(
             self.name, model, processor, text=True, device=device, dtype=dtype, batch_size=batch_size
         )
@@ -227,48 +159,6 @@ class PickScore(_PromptSimilarity):
         return self.encoder.logit_scale
 
 
-class AestheticHead(nn.Module):
-    """LAION improved-aesthetic-predictor MLP; layer indices match the released state dict."""
-
-    def __init__(self, dims: list[int]) -> None:
-        super().__init__()
-        d0, d1, d2, d3, d4 = dims
-        self.layers = nn.Sequential(
-            nn.Linear(d0, d1),
-            nn.Dropout(0.2),
-            nn.Linear(d1, d2),
-            nn.Dropout(0.2),
-            nn.Linear(d2, d3),
-            nn.Dropout(0.1),
-            nn.Linear(d3, d4),
-            nn.Linear(d4, 1),
-        )
-
-    def forward(self, embeds_ND: torch.Tensor) -> torch.Tensor:
-        """(N, D) L2-normalised image embeddings -> (N, 1) predicted rating."""
-        return self.layers(embeds_ND)
-
-    KEYS = tuple(f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
-
-    @classmethod
-    def load(cls, path: Path) -> AestheticHead:
-        """Build the head with the sizes found in the file and load it strictly."""
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-        if set(state) != set(cls.KEYS):
-            raise ValueError(
-                f"aesthetic reward: {path} has keys {sorted(state)}; expected the LAION aesthetic MLP's "
-                f"{list(cls.KEYS)}"
-            )
-        dims = [state["layers.0.weight"].shape[1]] + [
-            state[f"layers.{i}.weight"].shape[0] for i in (0, 2, 4, 6)
-        ]
-        head = cls(dims)
-        head.load_state_dict(state)
-        return head
-
-
 @register_reward("aesthetic")
 class AestheticScore(ImageReward):
     """LAION aesthetic predictor v2: MLP(L2-normalised CLIP image embedding), about 1..10.
@@ -289,6 +179,8 @@ class AestheticScore(ImageReward):
         dtype: str = "auto",
         batch_size: int = 32,
     ) -> None:
+        from diffrl.rewards.clip_models import AestheticHead, ClipEncoder
+
         self.encoder = ClipEncoder(
             self.name, model, None, text=False, device=device, dtype=dtype, batch_size=batch_size
         )
@@ -308,9 +200,10 @@ class AestheticScore(ImageReward):
                 f"but the CLIP in {model} makes {embed_dim}-d ones (the LAION head needs CLIP ViT-L/14, 768-d)"
             )
 
-    @torch.inference_mode()
     def score_images(
         self, frames_N3HW: torch.Tensor, prompts_N: list[str], metadata_N: list[dict[str, Any]]
     ) -> RewardOutput:
-        embeds_ND = self.encoder.image_embeds(frames_N3HW)
-        return RewardOutput(self.head(embeds_ND).squeeze(-1).float().cpu())
+        # a context, not the `@torch.inference_mode()` decorator: that would load torch on import
+        with torch.inference_mode():
+            embeds_ND = self.encoder.image_embeds(frames_N3HW)
+            return RewardOutput(self.head(embeds_ND).squeeze(-1).float().cpu())

@@ -19,10 +19,11 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import torch
-
+from diffrl.lazy import lazy_import
 from diffrl.rewards.base import ImageReward, RewardOutput, to_pil
 from diffrl.rewards.registry import register_reward
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 
 def jpeg_size_kb(frames_N3HW: torch.Tensor, quality: int = 95) -> torch.Tensor:

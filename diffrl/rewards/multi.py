@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from diffrl.algos.metrics import reward_metrics
+from diffrl.lazy import lazy_import
 from diffrl.rewards.base import Reward, call_reward, check_batch
 from diffrl.rewards.registry import build_reward, check_reward_spec, metric_name
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
+from diffrl.lazy import lazy_import
 from diffrl.rewards.base import ImageReward, RewardOutput, to_pil
 from diffrl.rewards.registry import register_reward
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 INSTALL_HINT = (
     "install Tesseract: `apt-get install tesseract-ocr` (Debian/Ubuntu), `brew install tesseract` "

@@ -46,11 +46,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
+from diffrl.lazy import lazy_import
 from diffrl.rewards.base import RewardOutput, as_reward_output, check_batch
 from diffrl.rewards.registry import register_reward
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 PROTOCOL_VERSION = 1
 RETRY_STATUSES = frozenset({429, 502, 503, 504})

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from diffrl.lazy import lazy_import
 from diffrl.rewards.base import ImageReward, RewardOutput
 from diffrl.rewards.registry import register_reward
 from diffrl.toy.grammar import Scene, parse_prompt
 from diffrl.toy.verify import verify_batch
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 SCORES = ("partial", "binary")
 

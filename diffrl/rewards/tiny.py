@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from diffrl.rewards.clip import AESTHETIC_HEAD_FILE, AestheticHead
+from diffrl.rewards.clip import AESTHETIC_HEAD_FILE
+from diffrl.rewards.clip_models import AestheticHead
 
 
 def _bytes_to_unicode() -> dict[int, str]:

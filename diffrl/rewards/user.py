@@ -29,10 +29,11 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
+from diffrl.lazy import lazy_import
 from diffrl.rewards.base import RewardOutput, as_reward_output, check_batch, resolve_awaitable
 from diffrl.rewards.registry import _check_args, register_reward
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 _PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 

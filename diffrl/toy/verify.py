@@ -39,15 +39,19 @@ rejected, ≥ 95% accepted under slight blur and noise).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
+from diffrl.lazy import lazy_import
 from diffrl.toy.grammar import BACKGROUND, PALETTE, Scene, relation_holds
+
+# The shapes reward imports the verifier, and `diffrl config` imports the rewards to check names
+# and args: deferring torch keeps that check free of it.
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 COLOR_TOLERANCE = 65.0  # max RGB distance of a pixel from a colour's white->colour segment
 MIN_COVERAGE = 0.5  # least fraction of colour (vs white) for a pixel to belong to an object
@@ -60,10 +64,16 @@ _FRINGE = 2  # pixels around an object's box whose pale coverage counts towards 
 
 COLOR_NAMES: tuple[str, ...] = tuple(PALETTE)
 OTHER = "other"  # colour name of ink that is no palette colour
-_WHITE = torch.tensor(BACKGROUND, dtype=torch.float32)
-_TO_WHITE_K3 = _WHITE - torch.tensor(list(PALETTE.values()), dtype=torch.float32)  # white - colour
 _BACKGROUND_LABEL = -1
 _OTHER_LABEL = len(COLOR_NAMES)
+
+
+@functools.cache
+def _palette_segments() -> tuple[torch.Tensor, torch.Tensor]:
+    """(white [3], white - colour [K, 3]) in float32: the segments of step 1, built on first use
+    (tensors at module level would load torch on import)."""
+    white = torch.tensor(BACKGROUND, dtype=torch.float32)
+    return white, white - torch.tensor(list(PALETTE.values()), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,10 @@ def classify_pixels(images_BHW3: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     tolerance) and float32 `coverage_BHW` (alpha along that colour's segment clamped to [0, 1], the
     pixel's estimated coverage by an object of that colour; 0 where no colour explains the pixel).
     """
-    to_white = _WHITE - images_BHW3.to(torch.float32)  # [B, H, W, 3]
-    sq_len_K = (_TO_WHITE_K3**2).sum(dim=1)
-    alpha_BHWK = (to_white @ _TO_WHITE_K3.T) / sq_len_K
+    white, to_white_K3 = _palette_segments()
+    to_white = white - images_BHW3.to(torch.float32)  # [B, H, W, 3]
+    sq_len_K = (to_white_K3**2).sum(dim=1)
+    alpha_BHWK = (to_white @ to_white_K3.T) / sq_len_K
     dist2_BHW = (to_white**2).sum(dim=-1)
     residual_BHWK = (dist2_BHW.unsqueeze(-1) - alpha_BHWK**2 * sq_len_K).clamp_min(0).sqrt()
     best_res_BHW, best_BHW = residual_BHWK.min(dim=-1)
@@ -129,7 +140,7 @@ def label_components(labels_BHW: torch.Tensor) -> torch.Tensor:
     index_HW = torch.arange(height * width, dtype=torch.int32).reshape(height, width)
     inside = labels_BHW >= 0
     comp_BHW = torch.where(inside, index_HW, big).to(torch.int32)
-    padded_labels = F.pad(labels_BHW, (1, 1, 1, 1), value=-1)
+    padded_labels = torch.nn.functional.pad(labels_BHW, (1, 1, 1, 1), value=-1)
     offsets = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if dy or dx]
     # same[i]: the pixel's neighbour at offsets[i] is in the image and has the same (non-background) label
     same = [
@@ -137,7 +148,7 @@ def label_components(labels_BHW: torch.Tensor) -> torch.Tensor:
         for dy, dx in offsets
     ]
     while True:
-        padded = F.pad(comp_BHW, (1, 1, 1, 1), value=big)
+        padded = torch.nn.functional.pad(comp_BHW, (1, 1, 1, 1), value=big)
         new_BHW = comp_BHW
         for (dy, dx), same_BHW in zip(offsets, same, strict=True):
             neighbour = padded[:, 1 + dy : 1 + dy + height, 1 + dx : 1 + dx + width]
