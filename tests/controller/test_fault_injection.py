@@ -32,7 +32,7 @@ NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
 
 ZYGOTE = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import diffrl.cli, diffrl.controller.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
 
     def die():
@@ -73,6 +73,9 @@ ZYGOTE = textwrap.dedent(
         def train_step(self):
             actor = self.workers.actors[1] if what == "actor" else self.rewards.actors[0]
             os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60), signal.SIGKILL)
+            # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
+            sys.stderr.write(f"fault: worker killed at {time.monotonic()}\\n")
+            sys.stderr.flush()
             return original(self)
 
         PolicyGradientTrainer.train_step = train_step
@@ -179,7 +182,6 @@ def _tagged_processes(tag: str) -> list[int]:
 )
 def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
     tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
-    start = time.monotonic()
     code = zygote(
         [
             "train",
@@ -194,10 +196,13 @@ def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
         kill={"at": kill},
         env={tag: "1"},
     )
-    elapsed = time.monotonic() - start
+    ended = time.monotonic()
+    log = zygote.log.read_text()
     assert code == 1
-    assert re.search(message, zygote.log.read_text()), zygote.log.read_text()[-3000:]
-    assert elapsed < 120
+    assert re.search(message, log), log[-3000:]
+    # The bound is on noticing the death, not on starting Ray and the workers (load-dependent).
+    killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
+    assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
     deadline = time.monotonic() + 20
     while _tagged_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
