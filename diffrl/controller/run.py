@@ -180,7 +180,9 @@ def probe_scorers(specs: Sequence[Any]) -> None:
             raise ValueError(f"reward.functions.{spec.name}: {err}") from None
         try:
             client.health()
-        except (OSError, ValueError) as err:  # ConnectionError and TimeoutError are OSErrors
+        # ConnectionError and TimeoutError are OSErrors; RuntimeError is an answer other than 200
+        # (a 401 from a server that requires a token the config does not send, a wrong path)
+        except (OSError, ValueError, RuntimeError) as err:
             message = (
                 f"reward.functions.{spec.name}: the scorer at args.url={spec.args.get('url')!r} did not "
                 f"answer /health within {args['timeout']:g} s ({err}); start it (diffrl serve-reward NAME "
@@ -391,6 +393,11 @@ def _lock(run_dir: Path) -> int:
             f"run folder {run_dir} is in use by another run (PID {owner}): wait for it to end or stop it, "
             "or choose another trainer.run_name"
         ) from None
+    except OSError as err:  # e.g. ENOLCK: a file system without locks
+        os.close(fd)
+        raise ValueError(
+            f"cannot lock run folder {run_dir} ({err}): put trainer.output_dir on a local file system"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
@@ -399,8 +406,16 @@ def _lock(run_dir: Path) -> int:
 def write_config(run_dir: Path, cfg: Config) -> None:
     """config.yaml, written atomically (a crash leaves the old file or the new one, never half)."""
     tmp = run_dir / f".config.yaml.tmp{os.getpid()}"
-    tmp.write_text(to_yaml(cfg))
+    with open(tmp, "w") as f:
+        f.write(to_yaml(cfg))
+        f.flush()
+        os.fsync(f.fileno())  # durable before the rename: a power loss leaves no empty config.yaml
     os.replace(tmp, run_dir / "config.yaml")
+    directory = os.open(run_dir, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # and the rename itself
+    finally:
+        os.close(directory)
 
 
 @dataclass

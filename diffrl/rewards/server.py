@@ -263,8 +263,7 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
         Closing a socket with unread input resets the connection, and a client still sending its
         body then sees 'broken pipe' instead of the answer already written for it.
         """
-        length = self.headers.get("Content-Length", "0")
-        left = int(length) if length.isdigit() else 0
+        left = _content_length(self.headers.get("Content-Length", "0")) or 0
         try:
             while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
                 left -= len(chunk)
@@ -280,11 +279,13 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                 HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                 f"Content-Type must be application/json, got {self.headers.get('Content-Type')!r}",
             )
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise Rejected(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+        length = _content_length(self.headers.get("Content-Length"))
+        if length is None:
+            raise Rejected(
+                HTTPStatus.LENGTH_REQUIRED, "Content-Length is required: a decimal number of bytes"
+            )
         limit = self.server.limits.max_body_bytes
-        if int(length) > limit:
+        if length > limit:
             raise Rejected(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 f"body of {length} bytes is too large; send smaller batches",
@@ -563,3 +564,13 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
         )
     parser.set_defaults(func=cmd_serve_reward)
     return parser
+
+
+def _content_length(value: str | None) -> int | None:
+    """A Content-Length header as bytes, or None when absent or not plain ASCII digits.
+
+    `str.isdigit` alone accepts other scripts' digits ('²'), which `int` then rejects, and a
+    header of thousands of digits would hit Python's int-from-string limit: both are refused."""
+    if value is None or not (value.isascii() and value.isdigit()) or len(value) > 18:
+        return None
+    return int(value)

@@ -192,3 +192,12 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path, capsys):
     steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]  # the failing step is neither logged nor checkpointed as if it were fine
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_00000001"]
+
+
+def test_a_scorer_that_answers_health_with_an_error_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from diffrl.rewards.server import start_reward_server
+
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    with start_reward_server("jpeg_compressibility") as server:  # a wrong path: HTTP 404, not a 200
+        err = refused(tmp_path, capsys, f"reward.functions.http.args.url={server.url}/wrong")
+    assert "did not answer /health" in err and "HTTP 404" in err and "Traceback" not in err

@@ -118,6 +118,15 @@ def test_each_limit_is_a_4xx_naming_itself(huge_png):
         assert status == 200 and len(answer["scores"]) == 4
         status, answer = _post(server.url, _body([ok]), content_type="text/plain")
         assert status == 415 and "application/json" in answer["error"]
+        # digits of other scripts ('²' is str.isdigit) and absurdly long numbers are no length
+        for length in ("\u00b2", "9" * 5000):
+            with _connect(server.url) as sock:
+                sock.sendall(
+                    b"POST /score HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: "
+                    + length.encode("latin-1")
+                    + b"\r\n\r\n"
+                )
+                assert _read_all(sock).startswith(b"HTTP/1.0 411"), length[:5]
 
 
 def test_token_is_required_and_compared(monkeypatch):
