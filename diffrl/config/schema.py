@@ -661,7 +661,7 @@ class Config:
         `auto` reuses them when the sampler computes exactly what the trainer's first forward
         computes: colocated workers share the module; eagerly, the kernels are the same with and
         without grad. Compiled, the sampler runs its window steps through the training graph on
-        slices of actor.micro_batch_size (`TrajectorySampler._window_velocity`), which matches only
+        slices of actor.micro_batch_size (`TrajectorySampler._trained_slices`), which matches only
         when those slices are the trainer's micro-batches (every training step trains every window
         step, and rollout micro-batches split into whole actor micro-batches); rollout correction
         needs a second log-prob, so it recomputes then as before.

@@ -214,9 +214,10 @@ class TrajectorySampler:
                 )
                 x = adapter.init_noise(init_gens, **size)
                 kept, log_probs, means, stds = [x], [], [], []
+                window_slices = self._trained_slices(x.shape[0]) if as_trained else [slice(None)]
                 for k in range(num_steps):
                     in_window = k0 <= k < k0 + w
-                    slices = self._trained_slices(x.shape[0]) if in_window and as_trained else [slice(None)]
+                    slices = window_slices if in_window else [slice(None)]
                     as_training = slices != [slice(None)]
                     parts = []
                     for r in slices:
@@ -319,9 +320,9 @@ class TrajectorySampler:
 
 
 def _cat_steps(parts: list[sde.StepOut]) -> sde.StepOut:
+    """One StepOut of the samples of `parts`, in order."""
     if len(parts) == 1:
         return parts[0]
-    """One StepOut of the samples of `parts`, in order."""
     return sde.StepOut(
         **{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(sde.StepOut)}
     )

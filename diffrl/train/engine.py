@@ -154,7 +154,7 @@ class TrainEngine:
                 cpu_offload=actor_cfg.param_offload,
             )
         # A sampler sharing this module computes its SDE window steps on slices of this size, as
-        # the trainer re-evaluates them (TrajectorySampler._window_velocity).
+        # the trainer re-evaluates them (TrajectorySampler._trained_slices).
         adapter.train_micro_batch_size = actor_cfg.micro_batch_size
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         if not self.params:
@@ -278,10 +278,11 @@ class TrainEngine:
                 raise ValueError("KL is on (actor.loss.kl_coef > 0) but the micro-batch has no ref_means")
             mask = mb.targets.train_mask_BW
             # each sample's terms are averaged over the steps it trains (K), then over samples
+            mask = None if mask is None else mask.cpu()  # one device-to-host copy per micro-batch
             trained_per_sample = len(steps) if mask is None else int(mask[0, steps].sum())
             norm = 1.0 / (len(micro_batches) * len(mb) * trained_per_sample)
             for j in steps:
-                rows = None if mask is None else torch.nonzero(mask[:, j].cpu()).flatten()
+                rows = None if mask is None else torch.nonzero(mask[:, j]).flatten()
                 if rows is not None and not len(rows):
                     continue
                 part = mb if rows is None else mb.select(rows)
