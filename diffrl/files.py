@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` so that a crash or a power loss leaves the old file or the new one, never half
+    or an empty one: a temporary file, flushed to the disk, renamed over `path`, and the rename
+    itself made durable."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def write_json(path: Path, payload: dict) -> None:
-    """Atomically: a crash never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    """`payload` as indented JSON, written atomically (`atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(payload, indent=2))

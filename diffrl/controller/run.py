@@ -35,7 +35,7 @@ from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import write_json
+from diffrl.files import atomic_write_text, write_json
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
@@ -405,17 +405,7 @@ def _lock(run_dir: Path) -> int:
 
 def write_config(run_dir: Path, cfg: Config) -> None:
     """config.yaml, written atomically (a crash leaves the old file or the new one, never half)."""
-    tmp = run_dir / f".config.yaml.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(to_yaml(cfg))
-        f.flush()
-        os.fsync(f.fileno())  # durable before the rename: a power loss leaves no empty config.yaml
-    os.replace(tmp, run_dir / "config.yaml")
-    directory = os.open(run_dir, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # and the rename itself
-    finally:
-        os.close(directory)
+    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from diffrl.files import atomic_write_text
 from diffrl.telemetry.console import format_duration
 
 log = logging.getLogger(__name__)
@@ -247,9 +248,7 @@ class JsonlSink:
                     kept.append(line)
             self.dropped = len(lines) - len(kept)
             if self.dropped:
-                tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-                tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-                os.replace(tmp, self.path)
+                atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
                 log.warning(
                     "%s: removed %d record(s) of steps >= %d left by an earlier attempt of this run",
                     self.path,
