@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from diffrl.algos.registry import Registry
+from diffrl.registry import Registry
 
 POLICY_GRADIENT = "policy_gradient"
 DIRECT_PREFERENCE = "direct_preference"

@@ -292,7 +292,7 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                 "max_body_bytes",
                 limit,
             )
-        return int(length)
+        return length
 
     def _score(self, length: int) -> None:
         from diffrl.rewards.base import call_reward
