@@ -95,28 +95,10 @@ def test_export_lora_and_merged_pipeline_reproduce_the_engine(run, tmp_path, cap
     assert main(["export", str(run_dir), "--out", str(tmp_path / "lora")]) == 0
     assert "exported the LoRA of" in capsys.readouterr().out
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
-    generate(
-        cfg.model.path,
-        PROMPTS,
-        tmp_path / "with_lora",
-        dtype="float32",
-        device="cpu",
-        lora=tmp_path / "lora",
-        **SAMPLE,
-    )
-    assert np.abs(_pixels(tmp_path / "with_lora") - expected).max() == 0
-
-    # The end-of-run export (RUN/export) is the same adapter.
-    generate(
-        cfg.model.path,
-        PROMPTS,
-        tmp_path / "end",
-        dtype="float32",
-        device="cpu",
-        lora=run_dir / "export",
-        **SAMPLE,
-    )
-    assert np.abs(_pixels(tmp_path / "end") - expected).max() == 0
+    # ... and the end-of-run export (RUN/export) is the same adapter.
+    for name, lora in (("with_lora", tmp_path / "lora"), ("end", run_dir / "export")):
+        generate(cfg.model.path, PROMPTS, tmp_path / name, dtype="float32", device="cpu", lora=lora, **SAMPLE)
+        assert np.abs(_pixels(tmp_path / name) - expected).max() == 0, name
 
     # --merge: a whole diffusers pipeline, loaded by DiffusionPipeline.from_pretrained (load_model).
     assert main(["export", str(run_dir), "--out", str(tmp_path / "merged"), "--merge"]) == 0

@@ -127,9 +127,11 @@ def test_eval_out_must_be_a_folder(tmp_path, capsys):
 def finished_run(tmp_path_factory):
     """A one-step run with its checkpoint (built once; tests copy it)."""
     out = tmp_path_factory.mktemp("finished")
-    os.environ.setdefault("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+    env = pytest.MonkeyPatch()  # module-scoped: the function-scoped monkeypatch cannot serve here
+    env.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
     assert main(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=done", *FAST]) == 0
-    return out / "done"
+    yield out / "done"
+    env.undo()
 
 
 def snapshot(run_dir):

@@ -164,13 +164,12 @@ def test_slow_clients_are_cut_off_at_the_read_deadline():
                 cut = time.monotonic() - start
                 break
             time.sleep(0.1)
-            if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) if _readable(sock) else False:
-                pass
             if _closed(sock):
                 cut = time.monotonic() - start
                 break
         sock.close()
-        assert cut is not None and cut < SMALL.read_timeout + 1.0, cut
+        # cut at the total deadline: not sooner (a per-read timeout would never cut a trickle)
+        assert cut is not None and SMALL.read_timeout - 0.1 < cut < SMALL.read_timeout + 1.0, cut
         # headers sent, body never: 408 naming read_timeout, at the deadline
         start = time.monotonic()
         sock = _half_sent(server.url)
@@ -205,7 +204,7 @@ def test_excess_requests_and_connections_get_503_at_once():
         start = time.monotonic()
         status, answer = _post(server.url, _body([_png(8, 8, "RGB")]))
         assert status == 503 and answer["limit"] == "max_concurrent_requests"
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < SMALL.read_timeout  # refused at once, not after a wait
         idle = [_connect(server.url) for _ in range(SMALL.max_connections - len(holders))]
         time.sleep(0.2)
         sock = _connect(server.url)
