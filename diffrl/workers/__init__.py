@@ -1,7 +1,7 @@
 """Workers: the processes that hold models, and the groups the single controller calls them through.
 
 `group` holds the calling machinery (`WorkerGroup`, `RayGroup`, `InProcessGroup`, `gather`,
-`ensure_ray`); worker roles (actor, rollout, reference, hybrid) are plain classes in `roles`.
+`wait_any`, `ensure_ray`); worker roles (actor, rollout, reference, hybrid) are plain classes in `roles`.
 """
 
 from diffrl.workers.group import (
@@ -10,8 +10,10 @@ from diffrl.workers.group import (
     WorkerError,
     WorkerFuture,
     WorkerGroup,
+    WorkerIdentity,
     ensure_ray,
     gather,
+    wait_any,
 )
 
 __all__ = [
@@ -20,6 +22,8 @@ __all__ = [
     "WorkerError",
     "WorkerFuture",
     "WorkerGroup",
+    "WorkerIdentity",
     "ensure_ray",
     "gather",
+    "wait_any",
 ]

@@ -32,6 +32,11 @@ Semantics shared by both:
   method and the original exception, even while other workers still run (a rank blocked in a
   collective waiting for a dead peer would otherwise hang the controller).
 - Constructor errors surface when the group is created, as a `WorkerError` with the rank.
+- A Ray worker that dies (killed, out of memory, crashed) or becomes unreachable fails its calls
+  with a `WorkerError` naming its class, rank, node IP and PID and quoting the last lines it
+  logged (from the files Ray sends its stdout and stderr to), so a dead rollout replica, trainer
+  rank or reward worker is identified from the message alone. `wait_any` waits for the first of
+  several calls to finish, with the same fail-fast rule.
 
 One difference to keep in mind: Ray copies arguments and results (pickling; NumPy arrays come back
 read-only), `InProcessGroup` passes the objects themselves, so a worker that mutates an argument
@@ -42,11 +47,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import os
 import re
 import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -59,8 +66,10 @@ __all__ = [
     "WorkerError",
     "WorkerFuture",
     "WorkerGroup",
+    "WorkerIdentity",
     "ensure_ray",
     "gather",
+    "wait_any",
 ]
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -81,13 +90,35 @@ DIST_ENV_VARS: tuple[str, ...] = (
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Where one Ray worker runs: what a failure message needs to point at it.
+
+    `log_files` are the files the actor process's stdout and stderr go to (Ray redirects them to
+    `worker-*.out` / `worker-*.err` in its session's logs directory on the worker's node); empty
+    when they are not regular files (output to a terminal or a pipe) or the platform cannot say.
+    """
+
+    rank: int
+    cls_name: str
+    node_ip: str
+    node_id: str
+    pid: int
+    log_files: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.cls_name} rank {self.rank} on node {self.node_ip} (pid {self.pid})"
+
+
 class WorkerError(RuntimeError):
-    """A worker's method (or constructor) raised; `rank`, `method` and the original `cause`.
+    """A worker's method (or constructor) raised, or its process died; `rank`, `method`, `cause`.
 
     One exception type for both groups, so the controller can catch worker failures without
     caring where the worker ran. `cause` is the exception the worker raised, unwrapped from Ray's
     `RayTaskError` (for an actor that died, the `RayActorError`). For Ray the message carries the
-    remote traceback, since the cause object has none in this process.
+    remote traceback, since the cause object has none in this process. For a Ray worker whose
+    process died, `identity` says where it ran and `log_tail` holds the last lines it logged (or
+    where to find them), both in the message.
     """
 
     def __init__(
@@ -97,22 +128,153 @@ class WorkerError(RuntimeError):
         method: str,
         cause: BaseException,
         remote_traceback: str | None = None,
+        identity: WorkerIdentity | None = None,
+        log_tail: str | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
         self.method = method
         self.cause = cause
         self.remote_traceback = remote_traceback
-        # Ray colours its task names; escape codes make logs and messages unreadable.
-        message = _ANSI.sub(
-            "", f"worker rank {rank} (of {size}) failed in {method}: {type(cause).__name__}: {cause}"
-        )
+        self.identity = identity
+        self.log_tail = log_tail
+        if identity is None:
+            message = f"worker rank {rank} (of {size}) failed in {method}: {type(cause).__name__}: {cause}"
+        else:
+            # ActorUnavailableError: Ray lost contact, the process may still exist (and hang).
+            verb = "became unreachable" if type(cause).__name__ == "ActorUnavailableError" else "died"
+            message = (
+                f"{identity.cls_name} rank {rank} (of {size}) on node {identity.node_ip} "
+                f"(pid {identity.pid}) {verb} during {method}: {type(cause).__name__}: {cause}"
+            )
+        # Ray colours its task names and actor output; escape codes make messages unreadable.
+        message = _ANSI.sub("", message)
         if remote_traceback:
             message += f"\n\nRemote traceback of rank {rank}:\n{_ANSI.sub('', remote_traceback).rstrip()}"
+        if log_tail:
+            message += f"\n\n{log_tail.rstrip()}"
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable, so a WorkerError can cross processes itself
-        return (WorkerError, (self.rank, self.size, self.method, self.cause, self.remote_traceback))
+        return (
+            WorkerError,
+            (
+                self.rank,
+                self.size,
+                self.method,
+                self.cause,
+                self.remote_traceback,
+                self.identity,
+                self.log_tail,
+            ),
+        )
+
+
+# How many lines of each log file a death message quotes, and how far back to look for them.
+LOG_TAIL_LINES = 20
+_LOG_TAIL_BYTES = 64 * 1024
+# How long a failure waits for a task that reads the log of a worker on another node.
+_REMOTE_LOG_TIMEOUT_S = 5.0
+# Routing markers Ray writes into worker log files (ray_constants.LOG_PREFIX_*); not the worker's.
+_RAY_LOG_MARKERS = (":job_id:", ":actor_name:", ":task_name:", ":event_summary:", ":info_message:")
+
+
+def _actor_identity(_instance: Any) -> tuple[str, str, int, tuple[str, ...]]:
+    """Runs inside an actor (`__ray_call__`): its node, PID and the files fd 1 and 2 point to."""
+    import ray
+
+    files: list[str] = []
+    for fd in (1, 2):
+        try:
+            # Linux's view of the process's own descriptors; elsewhere (macOS) this fails.
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if os.path.isabs(target) and os.path.isfile(target) and target not in files:
+            files.append(target)
+    return (
+        ray.util.get_node_ip_address(),
+        ray.get_runtime_context().get_node_id(),
+        os.getpid(),
+        tuple(files),
+    )
+
+
+def _tail_lines(path: str, lines: int) -> list[str]:
+    """The last `lines` lines of a text file (read from its end), without Ray's markers and colours."""
+    with open(path, "rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        file.seek(max(0, size - _LOG_TAIL_BYTES))
+        text = file.read().decode("utf-8", errors="replace")
+    if size > _LOG_TAIL_BYTES:
+        text = text.split("\n", 1)[-1]  # the first line read is likely cut
+    kept = [_ANSI.sub("", line.rstrip()) for line in text.splitlines()]
+    kept = [line for line in kept if line and not line.startswith(_RAY_LOG_MARKERS)]
+    return kept[-lines:]
+
+
+def _read_tails(paths: Sequence[str], lines: int) -> dict[str, list[str]]:
+    """`{path: last lines}` of the files readable here; runs here or as a task on a worker's node."""
+    tails = {}
+    for path in paths:
+        try:
+            tails[path] = _tail_lines(path, lines)
+        except OSError:
+            continue
+    return tails
+
+
+def _remote_tails(identity: WorkerIdentity, lines: int, timeout: float) -> dict[str, list[str]]:
+    """Read the log files of a worker on another node with a task pinned to that node.
+
+    Empty when the node cannot run it within `timeout` (the node died with the worker, say).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        task = ray.remote(num_cpus=0, max_retries=0)(_read_tails).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(identity.node_id, soft=False)
+        )
+        ref = task.remote(list(identity.log_files), lines)
+        ready, _ = ray.wait([ref], timeout=timeout)
+        if not ready:
+            ray.cancel(ref, force=True)
+            return {}
+        return ray.get(ref, timeout=0)
+    except Exception:  # the node is gone, Ray is shutting down: say where the files are instead
+        return {}
+
+
+def _log_tail(identity: WorkerIdentity, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines a worker wrote to each of its log files, or where those files are."""
+    if not identity.log_files:
+        return (
+            f"No log files are known for {identity} (its output did not go to files); look for its "
+            "output in the console of the Ray node that ran it"
+        )
+    tails = _read_tails(identity.log_files, lines)  # same node, or a filesystem shared with it
+    if len(tails) < len(identity.log_files) and _ray_is_up():
+        tails.update(_remote_tails(identity, lines, _REMOTE_LOG_TIMEOUT_S))
+    parts, silent = [], []
+    for path in identity.log_files:
+        if path not in tails:
+            parts.append(f"Its log {path} is on node {identity.node_ip} (not readable from here).")
+        elif tails[path]:
+            n = len(tails[path])
+            body = "\n".join(f"  {line}" for line in tails[path])
+            parts.append(f"Last {n} {'line' if n == 1 else 'lines'} of {path}:\n{body}")
+        else:
+            silent.append(path)
+    if silent and not parts:
+        parts.append(f"It logged nothing ({', '.join(silent)}).")
+    return "\n".join(parts)
+
+
+def _ray_is_up() -> bool:
+    import ray
+
+    return ray.is_initialized()
 
 
 # ------------------------------------------------------------------------------------ futures
@@ -165,11 +327,14 @@ class LocalFuture(WorkerFuture):
 
 
 class RayFuture(WorkerFuture):
-    """A Ray `ObjectRef` of an actor method call."""
+    """A Ray `ObjectRef` of an actor method call; `identity` (where the actor runs) once known."""
 
-    def __init__(self, ref: Any, rank: int, size: int, method: str) -> None:
+    def __init__(
+        self, ref: Any, rank: int, size: int, method: str, identity: WorkerIdentity | None = None
+    ) -> None:
         super().__init__(rank, size, method)
         self.ref = ref
+        self.identity = identity
 
     def result(self, timeout: float | None = None) -> Any:
         import ray
@@ -181,13 +346,21 @@ class RayFuture(WorkerFuture):
         except ray.exceptions.RayTaskError as err:
             raise _worker_error_from_ray(err, self.rank, self.size, self.method) from err.cause
         except ray.exceptions.RayActorError as err:
-            raise WorkerError(self.rank, self.size, self.method, err) from err
+            # ActorDiedError, ActorUnavailableError: the process, not the method, failed.
+            log_tail = None if self.identity is None else _log_tail(self.identity)
+            raise WorkerError(
+                self.rank, self.size, self.method, err, identity=self.identity, log_tail=log_tail
+            ) from err
 
     def done(self) -> bool:
         import ray
 
         ready, _ = ray.wait([self.ref], timeout=0, fetch_local=False)
         return bool(ready)
+
+    def __repr__(self) -> str:
+        where = "" if self.identity is None else f" node={self.identity.node_ip} pid={self.identity.pid}"
+        return super().__repr__()[:-1] + where + ">"
 
 
 def _worker_error_from_ray(err: Any, rank: int, size: int, method: str) -> WorkerError:
@@ -218,13 +391,70 @@ def gather(futures: Sequence[WorkerFuture], timeout: float | None = None) -> lis
     return [future.result(_remaining(deadline)) for future in futures]
 
 
+def wait_any(futures: Sequence[WorkerFuture], timeout: float | None = None) -> list[WorkerFuture]:
+    """Wait until at least one of `futures` is done; return the done ones, in the order given.
+
+    For a controller that serves whichever worker finishes first (rollout replicas, say). Fails
+    fast like `gather`: if one of the done futures failed, its `WorkerError` is raised (the lowest
+    position first) instead of returning. `timeout` (seconds) raises `TimeoutError` naming the
+    calls still running. Collect the values with `future.result()` (no waiting for a done one).
+    """
+    futures = list(futures)
+    if not futures:
+        raise ValueError("wait_any() needs at least one future (nothing would ever finish)")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if all(isinstance(f, RayFuture) for f in futures):
+        import ray
+
+        refs = list(dict.fromkeys(f.ref for f in futures))  # type: ignore[attr-defined]  # ray.wait: unique
+        ray.wait(refs, num_returns=1, timeout=_remaining(deadline), fetch_local=False)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        ready_set = set(ready)
+        done = [f for f in futures if f.ref in ready_set]  # type: ignore[attr-defined]
+    elif all(isinstance(f, LocalFuture) for f in futures):
+        concurrent.futures.wait(
+            [f.future for f in futures],  # type: ignore[attr-defined]
+            timeout=_remaining(deadline),
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+        done = [f for f in futures if f.done()]
+    else:
+        # Ray and in-process futures have no common wait: poll both, briefly.
+        done = [f for f in futures if f.done()]
+        while not done and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01 if deadline is None else min(0.01, _remaining(deadline) or 0.0))
+            done = [f for f in futures if f.done()]
+    if not done:
+        raise _timeout_error(futures, timeout, verb="wait_any")
+    for future in done:
+        # Raises its WorkerError if it failed. No timeout: a done Ray result may still have to come
+        # from another node (ray.wait above does not fetch), which is not a worker that hangs.
+        future.result()
+    return done
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _timeout_error(pending: Sequence[WorkerFuture], timeout: float | None) -> TimeoutError:
+def _timeout_error(
+    pending: Sequence[WorkerFuture], timeout: float | None, verb: str = "gather"
+) -> TimeoutError:
+    """Name every call still running; for a Ray worker also where it runs and what it logged last.
+
+    A worker that stops answering is as much a failure as one that died: the message must be
+    enough to find it (the lines are short, the whole message stays readable for a few ranks).
+    """
     running = ", ".join(f"rank {f.rank} {f.method}" for f in pending)
-    return TimeoutError(f"gather timed out after {timeout} s while waiting for: {running}")
+    message = f"{verb} timed out after {timeout} s while waiting for: {running}"
+    seen = set()
+    for future in pending:
+        identity = getattr(future, "identity", None)
+        if identity is None or identity in seen:
+            continue
+        seen.add(identity)
+        message += f"\n\n{identity} is still running {future.method}.\n{_log_tail(identity, 10)}"
+    return TimeoutError(message)
 
 
 def _wait_local(futures: list[LocalFuture], deadline: float | None, timeout: float | None) -> None:
@@ -521,6 +751,10 @@ def _probe_address(address: str) -> None:
         ) from err
 
 
+# The identity call runs after the constructors, on idle actors: seconds, unless an actor hangs.
+_IDENTITY_TIMEOUT_S = 60.0
+
+
 def _free_port() -> int:
     """A TCP port free on this node right now (the OS picks it; torchrun does the same)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -555,7 +789,9 @@ class RayGroup(WorkerGroup):
 
     Requires a running Ray (`ensure_ray`); waits for placement (`placement_timeout_s`, then a
     `TimeoutError` listing the cluster's free resources) and for every constructor (errors
-    re-raised as `WorkerError` with the rank).
+    re-raised as `WorkerError` with the rank). Then it asks each actor where it runs
+    (`identities`: node IP and id, PID, log files), so a later call failing because the actor died
+    raises a `WorkerError` that names it and quotes its last log lines.
     """
 
     OPTIONS: tuple[str, ...] = (
@@ -609,6 +845,7 @@ class RayGroup(WorkerGroup):
         self.cls = cls
         self.size = n
         self.actors: list[ActorHandle] = []
+        self.identities: list[WorkerIdentity] = []  # by rank, once every constructor returned
         self._owns_placement_group = placement_group is None
         if placement_group is None:
             bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus)}
@@ -654,6 +891,7 @@ class RayGroup(WorkerGroup):
                     for rank, actor in enumerate(self.actors)
                 ]
             )
+            self.identities = self._learn_identities(_IDENTITY_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -711,7 +949,19 @@ class RayGroup(WorkerGroup):
 
     def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerFuture:
         ref = getattr(self.actors[rank], method).remote(*args, **kwargs)
-        return RayFuture(ref, rank, self.size, f"{self.cls.__name__}.{method}")
+        return RayFuture(ref, rank, self.size, f"{self.cls.__name__}.{method}", self.identities[rank])
+
+    def _learn_identities(self, timeout_s: float) -> list[WorkerIdentity]:
+        """Ask every actor where it runs (one round trip), for failure messages that can name it."""
+        label = f"{self.cls.__name__}.__ray_call__"
+        futures = [
+            RayFuture(actor.__ray_call__.remote(_actor_identity), rank, self.size, label)
+            for rank, actor in enumerate(self.actors)
+        ]
+        return [
+            WorkerIdentity(rank, self.cls.__name__, node_ip, node_id, pid, log_files)
+            for rank, (node_ip, node_id, pid, log_files) in enumerate(gather(futures, timeout=timeout_s))
+        ]
 
     def shutdown(self) -> None:
         """Kill the actors (at once, running calls included) and remove our placement group."""

@@ -176,7 +176,10 @@ def _tagged_processes(tag: str) -> list[int]:
 @pytest.mark.parametrize(
     ("kill", "message"),
     [
-        ("actor", r"worker rank 1 \(of 2\) failed in HybridWorker\.\w+: \w*Actor"),
+        (
+            "actor",
+            r"HybridWorker rank 1 \(of 2\) on node \S+ \(pid \d+\) died during HybridWorker\.\w+: \w*Actor",
+        ),
         ("reward", r"worker rank 0 \(of 1\) failed in RewardWorker\.score: \w*Actor"),
     ],
 )
