@@ -323,8 +323,9 @@ class WeightSyncGroup:
             return
         blob = _spec_blob(bucket.specs)
         self._broadcast_header(len(bucket.specs), bucket.used, blob.numel())
-        self._broadcast(blob)
-        self._broadcast(self._to_wire(bucket.data[: bucket.used]))
+        self._broadcast(blob.to(self._wire_device()))
+        if bucket.used:
+            self._broadcast(self._to_wire(bucket.data[: bucket.used]))
         stats.tensors += len(bucket.specs)
         stats.bytes += bucket.used
         stats.buckets += 1
@@ -333,7 +334,7 @@ class WeightSyncGroup:
     def _send_alone(self, spec: TensorSpec, tensor: torch.Tensor, stats: SyncStats) -> None:
         blob = _spec_blob([spec])
         self._broadcast_header(1, spec.nbytes, blob.numel())
-        self._broadcast(blob)
+        self._broadcast(blob.to(self._wire_device()))
         self._broadcast(self._to_wire(_byte_view(tensor.detach().contiguous())))
         stats.tensors += 1
         stats.bytes += spec.nbytes
@@ -357,6 +358,8 @@ class WeightSyncGroup:
     ) -> SyncStats:
         """Receive the stream and copy each tensor into `params[name]` in place; ranks >= 1 only.
 
+        `params` maps names to the replica's tensors, e.g. `module.state_dict()` (its tensors share
+        storage with the module, so the copy lands in the model; parameters and buffers alike).
         `specs` is the list the source will stream, in order (from `tensor_specs` on the trainer);
         it is checked against `params` before anything moves, and every bucket's spec list is
         checked against it before that bucket's bytes move. `bucket_bytes` bounds this replica's
@@ -404,6 +407,8 @@ class WeightSyncGroup:
     def _receive_bucket(
         self, specs: list[TensorSpec], params: Mapping[str, torch.Tensor], payload: int
     ) -> None:
+        if payload == 0:
+            return  # only empty tensors: the sender sent no payload either
         first = params[specs[0].name]
         if len(specs) == 1 and first.is_contiguous() and first.device == self._wire_device():
             # A lone tensor already where the backend writes: receive straight into it.

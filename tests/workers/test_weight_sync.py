@@ -49,12 +49,16 @@ def source_tensors(version: int) -> dict[str, torch.Tensor]:
         "d": torch.randint(-(2**31), 2**31 - 1, (16,), generator=gen, dtype=torch.int32),  # 64 B
         "big": torch.randn(10, 10, generator=gen),  # fp32, 400 B > BUCKET_BYTES
         "e": torch.randn(8, 8, generator=gen).bfloat16(),  # 128 B
+        "empty": torch.zeros(0, 3),  # 0 B, joins the fourth bucket
     }
 
 
 def replica_params() -> dict[str, torch.Tensor]:
-    """A replica's own copy before any sync: same shapes and dtypes, different values."""
-    return {name: torch.full_like(t, 7) for name, t in source_tensors(0).items()}
+    """A replica's own copy before any sync: same shapes and dtypes, different values; `c` is a
+    transposed (non-contiguous) view, as a parameter can be."""
+    params = {name: torch.full_like(t, 7) for name, t in source_tensors(0).items()}
+    params["c"] = torch.full((8, 2), 7, dtype=torch.bfloat16).t()
+    return params
 
 
 def _stats(stats: SyncStats) -> tuple[int, int, int]:
@@ -76,7 +80,8 @@ def _portable(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int
 
 def _restore(item: tuple[str, list[int], bytes]) -> torch.Tensor:
     dtype, shape, raw = item
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 def _streamed(tensors: dict[str, torch.Tensor], names=None):
@@ -171,7 +176,7 @@ def test_trainer_streams_to_two_replicas_bitwise_beside_its_default_group():
         deadline_s=60,
     )
     trainer = results["trainer"]
-    assert trainer[1] == (6, EXPECTED_BYTES, EXPECTED_BUCKETS)
+    assert trainer[1] == (7, EXPECTED_BYTES, EXPECTED_BUCKETS)
     assert trainer[2] == (2, 64 + 128, 1)
     assert trainer[3] == [1.0, 1.0, 1.0]
     # The replicas rejected the renamed stream, so the trainer's acknowledgement never came.
@@ -182,7 +187,7 @@ def test_trainer_streams_to_two_replicas_bitwise_beside_its_default_group():
         _, stats1, stats2, after_first, after_second, third = results[f"replica{rank}"]
         after_first = {name: _restore(item) for name, item in after_first.items()}
         after_second = {name: _restore(item) for name, item in after_second.items()}
-        assert stats1 == (6, EXPECTED_BYTES, EXPECTED_BUCKETS)
+        assert stats1 == (7, EXPECTED_BYTES, EXPECTED_BUCKETS)
         assert stats2 == (2, 64 + 128, 1)
         assert sum(t.numel() * t.element_size() for t in first.values()) == EXPECTED_BYTES
         for name, tensor in first.items():
