@@ -225,15 +225,27 @@ def _orphaned_replica(port: int, name: str, syncs_before: int, timeout_s: float,
         out.put((name, str(err), time.monotonic() - start))
 
 
-def test_replica_raises_within_the_timeout_when_its_trainer_dies_or_never_joins():
+def _lonely_trainer(port: int, ready, out) -> None:
+    ready.wait(timeout=60)
+    start = time.monotonic()
+    try:
+        WeightSyncGroup.join("127.0.0.1", port, 0, 3, backend="gloo", timeout_s=NEVER_JOINED_TIMEOUT_S)
+        out.put(("lonely_trainer", "no error", 0.0))
+    except RuntimeError as err:
+        out.put(("lonely_trainer", str(err), time.monotonic() - start))
+
+
+def test_a_rank_raises_within_the_timeout_when_its_peer_dies_or_never_joins():
     _, port = free_address()
     _, nobody = free_address()  # no trainer ever listens here
+    _, alone = free_address()  # a trainer listens here, but no replica comes
     results = _run(
         [
             (_dying_trainer, (port,)),
             (_orphaned_replica, (port, "after_death", 1, TIMEOUT_S)),
             # Alone, so no start-up skew to allow for: a shorter deadline keeps the test fast.
             (_orphaned_replica, (nobody, "never_joined", 0, NEVER_JOINED_TIMEOUT_S)),
+            (_lonely_trainer, (alone,)),
         ],
         deadline_s=45,
     )
@@ -244,6 +256,9 @@ def test_replica_raises_within_the_timeout_when_its_trainer_dies_or_never_joins(
     assert f"could not join the group at 127.0.0.1:{nobody}" in never
     # torch's store client retries once inside its deadline; allow a loaded machine some slack.
     assert waited < 2 * NEVER_JOINED_TIMEOUT_S + 3
+    lonely, waited = results["lonely_trainer"][1:]
+    assert f"rank 0/3 could not join the group at 127.0.0.1:{alone}" in lonely
+    assert waited < NEVER_JOINED_TIMEOUT_S + 3
 
 
 # ------------------------------------------------------------------------------ in-process checks
