@@ -39,10 +39,11 @@ EXPECTED_BUCKETS = 4
 SUBSET = ("b", "e")
 
 
-def source_tensors(version: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights at `version` (mixed dtypes, one tensor bigger than a bucket)."""
+def source_tensors(version: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The trainer's weights at `version` (mixed dtypes, one tensor bigger than a bucket), drawn on
+    the CPU so every device gets the same values."""
     gen = torch.Generator().manual_seed(version)
-    return {
+    tensors = {
         "a": torch.randn(4, 8, generator=gen),  # fp32, 128 B
         "b": torch.randn(32, generator=gen).bfloat16(),  # 64 B
         "c": torch.randn(2, 8, generator=gen).bfloat16(),  # 32 B
@@ -51,13 +52,14 @@ def source_tensors(version: int) -> dict[str, torch.Tensor]:
         "e": torch.randn(8, 8, generator=gen).bfloat16(),  # 128 B
         "empty": torch.zeros(0, 3),  # 0 B, joins the fourth bucket
     }
+    return {name: t.to(device) for name, t in tensors.items()}
 
 
-def replica_params() -> dict[str, torch.Tensor]:
+def replica_params(device: str = "cpu") -> dict[str, torch.Tensor]:
     """A replica's own copy before any sync: same shapes and dtypes, different values; `c` is a
     transposed (non-contiguous) view, as a parameter can be."""
-    params = {name: torch.full_like(t, 7) for name, t in source_tensors(0).items()}
-    params["c"] = torch.full((8, 2), 7, dtype=torch.bfloat16).t()
+    params = {name: torch.full_like(t, 7) for name, t in source_tensors(0, device).items()}
+    params["c"] = torch.full((8, 2), 7, dtype=torch.bfloat16, device=device).t()
     return params
 
 
@@ -72,7 +74,7 @@ def _portable(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int
         name: (
             str(t.dtype).removeprefix("torch."),
             list(t.shape),
-            t.reshape(-1).view(torch.uint8).numpy().tobytes(),
+            t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes(),
         )
         for name, t in tensors.items()
     }
@@ -91,7 +93,7 @@ def _streamed(tensors: dict[str, torch.Tensor], names=None):
             yield name, tensor
 
 
-def _trainer(port: int, default_port: int, world: int, ready, out) -> None:
+def _trainer(port: int, default_port: int, world: int, device: str, ready, out) -> None:
     try:
         ready.wait(timeout=60)
         # The trainer's own default group (FSDP2's on a real run), initialised before the sync group.
@@ -103,11 +105,11 @@ def _trainer(port: int, default_port: int, world: int, ready, out) -> None:
             timeout=timedelta(seconds=30),
         )
         group = WeightSyncGroup.join("127.0.0.1", port, 0, world, backend="gloo", timeout_s=TIMEOUT_S)
-        first = group.send(_streamed(source_tensors(1)), bucket_bytes=BUCKET_BYTES)
+        first = group.send(_streamed(source_tensors(1, device)), bucket_bytes=BUCKET_BYTES)
         total = torch.ones(3)
         dist.all_reduce(total)  # the default group still works beside the sync group
-        second = group.send(_streamed(source_tensors(2), SUBSET), bucket_bytes=BUCKET_BYTES)
-        renamed = {("c_renamed" if name == "c" else name): t for name, t in source_tensors(3).items()}
+        second = group.send(_streamed(source_tensors(2, device), SUBSET), bucket_bytes=BUCKET_BYTES)
+        renamed = {("c_renamed" if name == "c" else name): t for name, t in source_tensors(3, device).items()}
         try:
             group.send(_streamed(renamed), bucket_bytes=BUCKET_BYTES)
             third = "no error"
@@ -119,10 +121,10 @@ def _trainer(port: int, default_port: int, world: int, ready, out) -> None:
         out.put(("trainer", "error", traceback.format_exc()))
 
 
-def _replica(port: int, rank: int, world: int, ready, out) -> None:
+def _replica(port: int, rank: int, world: int, device: str, ready, out) -> None:
     try:
         ready.wait(timeout=60)
-        params = replica_params()
+        params = replica_params(device)
         group = WeightSyncGroup.join("127.0.0.1", port, rank, world, backend="gloo", timeout_s=TIMEOUT_S)
         specs = tensor_specs(source_tensors(0).items())
         first = group.receive(specs, params, bucket_bytes=BUCKET_BYTES)
@@ -168,11 +170,13 @@ def _run(targets, deadline_s: float) -> dict:
     return results
 
 
-def test_trainer_streams_to_two_replicas_bitwise_beside_its_default_group():
+def _check_stream(device: str, replicas: int) -> None:
     _, port = free_address()
     _, default_port = free_address()
+    world = replicas + 1
     results = _run(
-        [(_trainer, (port, default_port, 3)), (_replica, (port, 1, 3)), (_replica, (port, 2, 3))],
+        [(_trainer, (port, default_port, world, device))]
+        + [(_replica, (port, rank, world, device)) for rank in range(1, world)],
         deadline_s=60,
     )
     trainer = results["trainer"]
@@ -180,16 +184,16 @@ def test_trainer_streams_to_two_replicas_bitwise_beside_its_default_group():
     assert trainer[2] == (2, 64 + 128, 1)
     assert trainer[3] == [1.0, 1.0, 1.0]
     # The replicas rejected the renamed stream, so the trainer's acknowledgement never came.
-    assert "weight sync send failed on rank 0/3" in trainer[4]
+    assert f"weight sync send failed on rank 0/{world}" in trainer[4]
 
     first, second = source_tensors(1), source_tensors(2)
-    for rank in (1, 2):
+    assert sum(t.numel() * t.element_size() for t in first.values()) == EXPECTED_BYTES
+    for rank in range(1, world):
         _, stats1, stats2, after_first, after_second, third = results[f"replica{rank}"]
         after_first = {name: _restore(item) for name, item in after_first.items()}
         after_second = {name: _restore(item) for name, item in after_second.items()}
         assert stats1 == (7, EXPECTED_BYTES, EXPECTED_BUCKETS)
         assert stats2 == (2, 64 + 128, 1)
-        assert sum(t.numel() * t.element_size() for t in first.values()) == EXPECTED_BYTES
         for name, tensor in first.items():
             assert after_first[name].dtype == tensor.dtype
             assert torch.equal(after_first[name], tensor), name
@@ -197,6 +201,17 @@ def test_trainer_streams_to_two_replicas_bitwise_beside_its_default_group():
             expected = second[name] if name in SUBSET else first[name]
             assert torch.equal(after_second[name], expected), name
         assert "'c_renamed'" in third and "expects 'c'" in third
+
+
+def test_trainer_streams_to_two_replicas_bitwise_beside_its_default_group():
+    _check_stream("cpu", replicas=2)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_stage_through_host_memory_with_gloo():
+    """Trainer and replica both on cuda:0 (as on one GPU, where NCCL cannot have two ranks): the
+    buckets are packed on the GPU and cross through pinned host memory."""
+    _check_stream("cuda", replicas=1)
 
 
 def _dying_trainer(port: int, ready, out) -> None:
