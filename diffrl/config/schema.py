@@ -165,6 +165,22 @@ class ValidationConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """How the trainer's weights reach the rollout replicas (trainer.placement=separate)."""
+
+    backend: str = "auto"  # auto: nccl when every process has a GPU of its own, else gloo
+    bucket_mb: float = 256.0  # tensors are streamed in flat buffers of at most this size
+    timeout_s: float = 600.0  # a peer that does not take part within this long ends the run
+
+    BACKENDS = ("auto", "nccl", "gloo")
+
+    def validate(self, at: str) -> None:
+        require_choice(f"{at}.backend", self.backend, self.BACKENDS)
+        require_positive(f"{at}.bucket_mb", self.bucket_mb)
+        require_positive(f"{at}.timeout_s", self.timeout_s)
+
+
+@dataclass
 class RolloutConfig:
     n: int = 16  # samples per prompt (the GRPO group size)
     micro_batch_size: int = 16  # (prompt, sample) pairs per sampler forward, per worker
@@ -172,6 +188,12 @@ class RolloutConfig:
     # DanceGRPO: every sample of a prompt group starts from the same initial noise (its SDE noise
     # still differs), so rewards within a group differ only by what the policy's steps did
     same_group_noise: bool = False
+    # trainer.placement=separate: the rollout pool (docs/async.md)
+    replicas: int = 1  # sampler replicas, each a model copy without optimizer state
+    gpus_per_replica: float = 1.0  # below 1 shares a GPU (e.g. 0.5 next to a 0.5 trainer on one GPU)
+    requests_in_flight: int = 2  # prompt-group requests queued on each replica at a time
+    ray_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per replica
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sde: SdeConfig = field(default_factory=SdeConfig)
     val: ValidationConfig = field(default_factory=ValidationConfig)
@@ -179,6 +201,11 @@ class RolloutConfig:
     def validate(self, at: str) -> None:
         require_at_least(f"{at}.n", self.n, 1)
         require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
+        require_at_least(f"{at}.replicas", self.replicas, 1)
+        require(self.gpus_per_replica > 0, f"{at}.gpus_per_replica", self.gpus_per_replica, "must be > 0")
+        require_at_least(f"{at}.requests_in_flight", self.requests_in_flight, 1)
+        _require_ray_resources(f"{at}.ray_resources", self.ray_resources)
+        self.weight_sync.validate(f"{at}.weight_sync")
         if self.seed is not None:
             require_at_least(f"{at}.seed", self.seed, 0)
         self.pipeline.validate(f"{at}.pipeline")
@@ -514,10 +541,23 @@ class TrainerConfig:
     n_gpus_per_node: int = 1  # workers per node (CPU workers when there is no GPU)
     nnodes: int = 1
     ray_address: str | None = None  # join this Ray cluster; null = start a local one
+    # colocated: every worker samples and trains one module; separate: trainer ranks and rollout
+    # replicas (rollout.replicas) in their own processes, weights streamed after each step
+    placement: str = "colocated"
+    # sync: sample with the newest weights; one_step_off (separate placement): sample batch k+1
+    # while the trainer updates on batch k, one version behind (docs/async.md)
+    async_mode: str = "sync"
+    gpus_per_worker: float = (
+        1.0  # GPU share of each trainer rank (below 1 with separate placement on one GPU)
+    )
+    ray_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per trainer rank
+    worker_timeout_s: float = 3600.0  # a worker call that runs longer ends the run (it stopped answering)
     seed: int = 42
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+    PLACEMENTS = ("colocated", "separate")
+    ASYNC_MODES = ("sync", "one_step_off")
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads a bare `off` as false (and `on` as true); the key is a string.
@@ -538,6 +578,23 @@ class TrainerConfig:
         require_at_least(f"{at}.nnodes", self.nnodes, 1)
         require_at_least(f"{at}.seed", self.seed, 0)
         require_at_least(f"{at}.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        require_choice(f"{at}.placement", self.placement, self.PLACEMENTS)
+        require_choice(f"{at}.async_mode", self.async_mode, self.ASYNC_MODES)
+        require(
+            self.async_mode == "sync" or self.placement == "separate",
+            f"{at}.async_mode",
+            self.async_mode,
+            "needs trainer.placement=separate: colocated workers cannot sample while they train",
+        )
+        require(self.gpus_per_worker > 0, f"{at}.gpus_per_worker", self.gpus_per_worker, "must be > 0")
+        require(
+            self.gpus_per_worker == 1.0 or self.placement == "separate",
+            f"{at}.gpus_per_worker",
+            self.gpus_per_worker,
+            "only applies to trainer.placement=separate (a colocated worker owns its GPU): leave it at 1",
+        )
+        _require_ray_resources(f"{at}.ray_resources", self.ray_resources)
+        require_positive(f"{at}.worker_timeout_s", self.worker_timeout_s)
         if self.run_name is not None:
             # The run folder is output_dir/run_name: a separator or '..' would write elsewhere.
             require(
@@ -549,6 +606,18 @@ class TrainerConfig:
                 "must be a plain folder name (no '/', '\\', '.' or '..'); it is created inside "
                 "trainer.output_dir, so put a different parent folder in trainer.output_dir",
             )
+
+
+def _require_ray_resources(key: str, resources: dict[str, float]) -> None:
+    """Custom Ray resources (e.g. a node label `{rollout_node: 1}`); CPU and GPU have their own keys."""
+    for name, amount in resources.items():
+        require(
+            name not in ("CPU", "GPU", "memory"),
+            key,
+            resources,
+            f"names {name!r}, which Ray accounts itself: use trainer.gpus_per_worker / rollout.gpus_per_replica",
+        )
+        require(isinstance(amount, int | float) and amount > 0, key, resources, f"{name} must be > 0")
 
 
 # ---------------------------------------------------------------------------------------- root
@@ -665,10 +734,17 @@ class Config:
         when those slices are the trainer's micro-batches (every training step trains every window
         step, and rollout micro-batches split into whole actor micro-batches); rollout correction
         needs a second log-prob, so it recomputes then as before.
+
+        Separate placement recomputes: a replica runs its own copy of the module (no FSDP
+        mixed-precision casts, no training graph when compiled), and in one_step_off mode it samples
+        one weight version behind the trainer, so the recomputed log-probs are the proximal policy
+        and the rollout's are the behaviour policy (docs/async.md).
         """
         algo, rc = self.algorithm, self.algorithm.rollout_correction
         if algo.old_log_probs != "auto":
             return algo.old_log_probs == "rollout"
+        if self.trainer.placement == "separate":
+            return False
         if not self.model.compile:
             return True
         return (

@@ -50,8 +50,6 @@ from diffrl.algos.nft import old_policy_decay
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import mini_batches
-from diffrl.controller.sharding import sample_groups
-from diffrl.data import PromptRecord
 from diffrl.data.images import load_image_rows
 from diffrl.data.preference import (
     CACHE_DIR,
@@ -101,36 +99,27 @@ class DirectPreferenceTrainer(TrainingLoop):
 
     def train_step(self) -> dict[str, float]:
         self.timer.reset()
-        batch = self.sampler.next_batch()
         if self.offline:
+            batch = self.sampler.next_batch()
             metrics = self._offline_step([index for index, _ in batch])
             images = 2 * len(batch)
         else:
-            metrics, images = self._online_step([record for _, record in batch])
-        metrics.update(self.timer.metrics(images, self.workers.size))
+            metrics, images = self._online_step()
+        metrics.update(self.timer.metrics(images, self.placement.gpus))
         metrics.update(self.workers.call("memory")[0])
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
 
     # ------------------------------------------------------------------------------ online
-    def _online_step(self, records: Sequence[PromptRecord]) -> tuple[dict[str, float], int]:
+    def _online_step(self) -> tuple[dict[str, float], int]:
         cfg = self.cfg
-        uids = [f"{self.step}:{i}" for i in range(len(records))]
         with self.timer.phase("gen"):
-            rollout = sample_groups(
-                cfg,
-                self.workers,
-                records,
-                uids,
-                step=self.step,
-                rewards=self.rewards,
-                method="sample_and_score_policy",
-                policy=self.sampling_policy,
-            )
+            _, rollout, sampling_metrics = self.rollout_for_step(self.sampling_policy)
         with self.timer.phase("reward"):
             scores = gather_rewards(rollout.extras.pop("reward_handles"))
         sample_uids = rollout.sample_uids()
         metrics = scores.metrics(sample_uids)
+        metrics.update(sampling_metrics)
         with self.timer.phase("update_actor"):
             if self.spec.trains_on == PAIRS:
                 chosen_P, rejected_P = preference_pairs(scores.total_B, sample_uids)

@@ -9,6 +9,14 @@ metrics). `fit()` then runs the schedule the config describes:
 
 A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
 run continues exactly where the interrupted one would have been.
+
+Sampling goes through the run's `Placement` (diffrl.controller.placement): `rollout_for_step`
+draws the step's prompts and returns their rollout. In `trainer.async_mode=one_step_off` it also
+starts sampling the next step's prompts before returning, so the replicas generate batch k+1 while
+the trainer updates on batch k; the weights they sample with are those the trainer started step k
+from (version k-1, one behind the update that follows). A step that ends with a checkpoint starts
+no next batch (the pipeline drains), so a checkpoint holds no in-flight work: a resumed run samples
+that batch exactly as the uninterrupted run did, with the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from diffrl.config.schema import Config
+from diffrl.controller.placement import Colocated, PendingRollout, Placement
 from diffrl.controller.validation import run_validation
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.telemetry.console import progress
+from diffrl.train.engine import POLICY
+from diffrl.transition import Rollout
 from diffrl.workers.group import WorkerGroup
 
 # What a step's update depends on, in the order data flows: the first non-finite one is named.
@@ -42,15 +53,19 @@ class TrainingLoop:
         cfg: Config,
         run_dir: Path,
         *,
-        workers: WorkerGroup,
         rewards: Any,
         train_records: Sequence[PromptRecord],
         val_records: Sequence[PromptRecord],
         logger: RunLogger,
+        workers: WorkerGroup | None = None,
+        placement: Placement | None = None,
     ):
+        if (workers is None) == (placement is None):
+            raise TypeError("pass either workers (a colocated pool) or a placement")
         self.cfg = cfg
         self.run_dir = run_dir
-        self.workers = workers
+        self.placement = placement if placement is not None else Colocated(cfg, workers)
+        self.workers = self.placement.trainer  # what trains (and, colocated, also samples)
         self.rewards = rewards
         self.logger = logger
         self.sampler = PromptSampler(
@@ -61,6 +76,9 @@ class TrainingLoop:
         self.last_validation_step: int | None = None
         self.timer = PhaseTimer()
         self.nonfinite_steps = 0  # consecutive steps whose update was skipped as non-finite
+        # one_step_off: the next step's prompts and their rollout, sampling while this step trains
+        self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
+        self.one_step_off = cfg.trainer.async_mode == "one_step_off"
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -74,7 +92,40 @@ class TrainingLoop:
         extra = self.workers.call("load", str(checkpoint))[0]
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["data"])
+        self.placement.sync_weights(self.step, full=True)
         print(f"resumed from {checkpoint} at step {self.step}")
+
+    # ------------------------------------------------------------------------------ sampling
+    def rollout_for_step(self, policy: str = POLICY) -> tuple[list[PromptRecord], Rollout, dict[str, float]]:
+        """This step's prompts, their rollout (reward handles in extras) and the sampling metrics
+        (weight versions, staleness, weight-sync cost); see the module docstring for one_step_off."""
+        metrics: dict[str, float] = {}
+        if self.next_batch is None:
+            records = [record for _, record in self.sampler.next_batch()]
+            metrics.update(self.placement.sync_weights(self.step - 1))
+            pending = self._sample(records, self.step, policy)
+        else:
+            (records, pending), self.next_batch = self.next_batch, None
+        rollout = pending.result()
+        # The replicas are idle now: give them the weights this step starts from before they
+        # sample the next batch (a no-op when they hold them already).
+        for key, value in self.placement.sync_weights(self.step - 1).items():
+            metrics[key] = metrics.get(key, 0.0) + value
+        if self.one_step_off and not self._ends_with_checkpoint(self.step):
+            upcoming = [record for _, record in self.sampler.next_batch()]
+            self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy))
+        versions = rollout.extras.pop("weight_version_B")
+        metrics["rollout/weight_version"] = float(versions.min())
+        metrics["rollout/staleness"] = float(self.step - 1 - versions.min())
+        return records, rollout, metrics
+
+    def _sample(self, records: list[PromptRecord], step: int, policy: str) -> PendingRollout:
+        uids = [f"{step}:{i}" for i in range(len(records))]
+        return self.placement.sample(records, uids, step=step, rewards=self.rewards, policy=policy)
+
+    def _ends_with_checkpoint(self, step: int) -> bool:
+        save_freq = self.cfg.trainer.save_freq
+        return step == self.cfg.trainer.total_steps or bool(save_freq and step % save_freq == 0)
 
     def fit(self) -> dict[str, float]:
         """Run the remaining steps; returns the last validation's metrics."""
@@ -134,9 +185,21 @@ class TrainingLoop:
         )
 
     def validate(self) -> dict[str, float]:
-        """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid."""
+        """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid.
+
+        The samplers validate the trainer's current weights: a batch still sampling (one_step_off)
+        finishes first, with the weights it started with, then the samplers receive this step's."""
+        if self.next_batch is not None:
+            self.next_batch[1].result()
+        self.placement.sync_weights(self.step)
         metrics = run_validation(
-            self.cfg, self.workers, self.rewards, self.val_records, self.run_dir, self.step, self.logger
+            self.cfg,
+            self.placement.samplers,
+            self.rewards,
+            self.val_records,
+            self.run_dir,
+            self.step,
+            self.logger,
         )
         self.last_validation_step = self.step
         return metrics

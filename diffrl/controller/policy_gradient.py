@@ -3,8 +3,11 @@
 The driver owns the loop and calls workers explicitly; one step reads top to bottom:
 
     prompts      B prompts from the data sampler, each with a uid
-    gen          every worker samples n trajectories for its share of the prompts; each decoded
-                 micro-batch goes to the reward workers at once (scoring overlaps sampling)
+    gen          the placement samples n trajectories per prompt (colocated: every worker its
+                 share; separate: the replicas, request by request); each decoded micro-batch goes
+                 to the reward workers at once (scoring overlaps sampling). one_step_off: this
+                 batch was sampled during the previous step, and the next one starts now
+                 (TrainingLoop.rollout_for_step)
     reward       gather the scores
     advantages   grouped by uid, on the driver
     old_log_prob reuse the rollout's own log-probs (and SDE means) when the sampler is the trained
@@ -14,7 +17,8 @@ The driver owns the loop and calls workers explicitly; one step reads top to bot
                  subset of the window steps
     update_actor mini-batches of whole prompt groups × epochs; each mini-batch is split across the
                  workers, one optimizer step per mini-batch
-    weights      colocated workers share one module: nothing to copy
+    weights      colocated workers share one module: nothing to copy; separate replicas receive
+                 the new weights before they sample again (Placement.sync_weights)
     validation   every `test_freq` steps: ODE samples with fixed seeds, rewards, an image grid
     checkpoint   every `save_freq` steps and at the end: weights, optimizer, data position
 """
@@ -22,7 +26,6 @@ The driver owns the loop and calls workers explicitly; one step reads top to bot
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,7 @@ from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import mini_batches
-from diffrl.controller.sharding import sample_groups, split_even
-from diffrl.data import PromptRecord
+from diffrl.controller.sharding import split_even
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops
@@ -61,17 +63,14 @@ class PolicyGradientTrainer(TrainingLoop):
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        cfg, world = self.cfg, self.workers.size
+        cfg = self.cfg
         self.timer.reset()
-        batch = self.sampler.next_batch()
-        records = [record for _, record in batch]
-        uids = [f"{self.step}:{i}" for i in range(len(records))]
-
         with self.timer.phase("gen"):
-            rollout = self._sample(records, uids)
+            _, rollout, sampling_metrics = self.rollout_for_step()
         with self.timer.phase("reward"):
             scores = gather_rewards(rollout.extras.pop("reward_handles"))
         metrics = scores.metrics(rollout.sample_uids())
+        metrics.update(sampling_metrics)
         advantages = self.estimator(scores.total_B, rollout.sample_uids(), cfg.algorithm)
         targets = TrainingTargets(advantages_B=advantages.float(), batch_size=[len(rollout)])
         metrics.update(advantage_metrics(advantages))
@@ -99,21 +98,21 @@ class PolicyGradientTrainer(TrainingLoop):
             metrics.update(self._update(PolicyGradientBatch(rollout, targets)))
 
         images = len(rollout)
-        metrics.update(self.timer.metrics(images, world))
+        metrics.update(self.timer.metrics(images, self.placement.gpus))
         if self.peak is not None:
             flops = self._flops(rollout)
             metrics.update(
                 mfu_metrics(
-                    flops, self.timer.seconds(), world, self.peak, step_seconds=metrics["timing_s/step"]
+                    flops,
+                    self.timer.seconds(),
+                    self.placement.gpus,
+                    self.peak,
+                    step_seconds=metrics["timing_s/step"],
                 )
             )
         metrics.update(self.workers.call("memory")[0])
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
-
-    def _sample(self, records: Sequence[PromptRecord], uids: Sequence[str]) -> Rollout:
-        """Each worker samples whole prompt groups; their micro-batches are scored as they decode."""
-        return sample_groups(self.cfg, self.workers, records, uids, step=self.step, rewards=self.rewards)
 
     def _train_mask(self, rollout: Rollout) -> torch.Tensor:
         """DanceGRPO: each sample trains a random `timestep_fraction` of the window steps, drawn

@@ -33,6 +33,7 @@ from diffrl.config import load_config, to_yaml
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
+from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.files import atomic_write_text, write_json
@@ -364,6 +365,7 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
                 )
             else:
                 workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
+            workers.timeout_s = cfg.trainer.worker_timeout_s
         if cfg.reward.functions:  # offline DPO may run without rewards (no validation then)
             rewards = create_reward_workers(cfg.reward, use_ray=use_ray, env_vars=thread_env(threads.reward))
         yield workers, rewards
@@ -372,6 +374,78 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
             rewards.close()
         if workers is not None:
             workers.shutdown()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+@contextmanager
+def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
+    """`worker_session` for an RL run: the colocated pool, or (trainer.placement=separate) a
+    trainer pool and a rollout pool on Ray, their weight-sync group joined; stops them all on exit."""
+    if cfg.trainer.placement == "colocated":
+        with worker_session(cfg) as (workers, rewards):
+            yield Colocated(cfg, workers), rewards
+        return
+    yield from _separate_session(cfg)
+
+
+def _separate_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
+    from diffrl.rewards.workers import create_reward_workers
+    from diffrl.telemetry.console import progress
+    from diffrl.workers.group import RayGroup, ensure_ray
+    from diffrl.workers.roles import ActorWorker, RolloutWorker
+    from diffrl.workers.threads import plan_threads, set_threads, thread_env
+
+    world, replicas = cfg.world_size, cfg.rollout.replicas
+    has_gpu = torch.cuda.is_available()
+    threads = plan_threads(world + replicas, cfg.reward.workers, ray=True)
+    set_threads(threads.driver)
+    started_ray, trainer, rollout, placement, rewards = False, None, None, None, None
+    roles = worker_options(cfg)
+    try:
+        with progress(
+            f"starting {world} trainer rank(s) and {replicas} rollout replica(s) of {cfg.model.path}"
+        ):
+            reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
+            started_ray = ensure_ray(
+                cfg.trainer.ray_address,
+                num_cpus=None if cfg.trainer.ray_address else int(world + replicas + reward_cpus + 1),
+            )
+            trainer = RayGroup(
+                ActorWorker,
+                world,
+                cfg,
+                num_cpus=1.0,
+                num_gpus=cfg.trainer.gpus_per_worker if has_gpu else 0.0,
+                resources=cfg.trainer.ray_resources,
+                env_vars=thread_env(threads.worker),
+                **roles,
+            )
+            rollout = RayGroup(
+                RolloutWorker,
+                replicas,
+                cfg,
+                num_cpus=1.0,
+                num_gpus=cfg.rollout.gpus_per_replica if has_gpu else 0.0,
+                resources=cfg.rollout.ray_resources,
+                env_vars=thread_env(threads.worker),
+                with_old=bool(roles.get("with_old", False)),
+            )
+            trainer.timeout_s = rollout.timeout_s = cfg.trainer.worker_timeout_s
+            placement = Separate(cfg, trainer, rollout, backend=sync_backend(cfg, has_gpu))
+        if cfg.reward.functions:
+            rewards = create_reward_workers(cfg.reward, use_ray=True, env_vars=thread_env(threads.reward))
+        yield placement, rewards
+    finally:
+        if placement is not None:
+            placement.shutdown()
+        if rewards is not None:
+            rewards.close()
+        for group in (rollout, trainer):
+            if group is not None:
+                group.shutdown()
         if started_ray:
             import ray
 
@@ -479,20 +553,22 @@ class Job:
 
     run_dir: Path
     checkpoint: Path | None
-    workers: WorkerGroup
+    workers: Any  # a WorkerGroup, or the Placement of an RL job
     rewards: Any
     logger: Any
 
 
 @contextmanager
-def job(cfg: Config, source: str | None) -> Iterator[Job]:
-    """Own the run directory (`run_folder`), start the workers and the loggers; stop them on exit."""
+def job(cfg: Config, source: str | None, *, rl: bool = False) -> Iterator[Job]:
+    """Own the run directory (`run_folder`), start the workers (`rl`: the configured placement)
+    and the loggers; stop them on exit."""
     from diffrl.telemetry import RunLogger
 
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    session = placement_session(cfg) if rl else worker_session(cfg)
     with (
         run_folder(cfg, source) as folder,
-        worker_session(cfg) as (workers, rewards),
+        session as (workers, rewards),
         RunLogger(
             folder.path,
             cfg.trainer.loggers,
@@ -521,9 +597,9 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     if (finished := skip_if_finished(cfg.trainer)) is not None:
         return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
-    with job(cfg, source) as j:
+    with job(cfg, source, rl=True) as j:
         loop_args = dict(
-            workers=j.workers,
+            placement=j.workers,
             rewards=j.rewards,
             train_records=train_records,
             val_records=val_records,
@@ -538,7 +614,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
                 cfg, j.run_dir, reuse_rollout_log_probs=reuse_rollout_log_probs(cfg), **loop_args
             )
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
-        export_final_weights(j.workers, j.run_dir, cfg)
+        export_final_weights(j.workers.trainer, j.run_dir, cfg)
     from diffrl.telemetry.report import write_report
 
     print(write_report(j.run_dir))

@@ -1,4 +1,5 @@
-"""Splitting a step's prompts across workers and joining their rollouts (used by every loop).
+"""Splitting a step's prompts into worker shards and joining their rollouts (used by every loop;
+which shards go where is the placement's choice, diffrl.controller.placement).
 
 The mini-batch schedule lives in `trainer.minibatches`; padding prompt tables of different text
 lengths in `PromptEmbeds.cat_padded`."""
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,10 +15,6 @@ from diffrl.data import PromptRecord
 from diffrl.models.base import PromptEmbeds
 from diffrl.transition import Rollout
 from diffrl.workers.roles import PromptShard
-
-if TYPE_CHECKING:
-    from diffrl.config.schema import Config
-    from diffrl.workers.group import WorkerGroup
 
 
 def _negatives(records: Sequence[PromptRecord], default: str) -> list[str] | None:
@@ -40,38 +36,6 @@ def prompt_shard(
     )
 
 
-def sample_groups(
-    cfg: Config,
-    workers: WorkerGroup,
-    records: Sequence[PromptRecord],
-    uids: Sequence[str],
-    *,
-    step: int,
-    rewards: Any,
-    method: str = "sample_and_score",
-    **method_kwargs: Any,
-) -> Rollout:
-    """Each worker samples `rollout.n` trajectories for an equal share of whole prompt groups with
-    `method` (`sample_and_score`, or `sample_and_score_policy` with a `policy`); their
-    micro-batches are scored as they decode. Returns the joined rollout, reward handles in extras."""
-    world = workers.size
-    per_worker = len(records) // world
-    n = cfg.rollout.n
-    shards = [
-        prompt_shard(
-            records[rank * per_worker : (rank + 1) * per_worker],
-            uids[rank * per_worker :],
-            rank * per_worker * n,
-            cfg.rollout.pipeline.negative_prompt,
-        )
-        for rank in range(world)
-    ]
-    rollouts = workers.scatter(
-        method, shards, seed=cfg.rollout_seed, step=step, rewards=rewards, **method_kwargs
-    )
-    return concat_rollouts(rollouts)
-
-
 def split_even(rollout: Rollout, parts: int) -> list[Rollout]:
     """`parts` consecutive, equal slices (the config guarantees divisibility)."""
     size = len(rollout) // parts
@@ -79,9 +43,16 @@ def split_even(rollout: Rollout, parts: int) -> list[Rollout]:
 
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
-    """Join workers' rollouts of the same step: samples, prompt tables (re-indexed), reward handles."""
+    """Join workers' rollouts of the same step: samples, prompt tables (re-indexed), reward handles,
+    and each sample's weight version (`extras["weight_version_B"]`, from each part's
+    `extras["weight_version"]`)."""
+    versions = torch.cat(
+        [torch.full((len(r),), int(r.extras.get("weight_version", 0)), dtype=torch.long) for r in rollouts]
+    )
     if len(rollouts) == 1:
-        return rollouts[0]
+        only = rollouts[0]
+        extras = {key: value for key, value in only.extras.items() if key != "weight_version"}
+        return replace(only, extras={**extras, "weight_version_B": versions})
     first = rollouts[0]
     offsets, total = [], 0
     for r in rollouts:
@@ -100,5 +71,8 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         prompts=[p for r in rollouts for p in r.prompts],
         uids=[u for r in rollouts for u in r.uids],
         metadata=[m for r in rollouts for m in r.metadata],
-        extras={"reward_handles": [h for r in rollouts for h in r.extras.get("reward_handles", [])]},
+        extras={
+            "reward_handles": [h for r in rollouts for h in r.extras.get("reward_handles", [])],
+            "weight_version_B": versions,
+        },
     )

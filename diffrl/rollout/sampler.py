@@ -134,8 +134,23 @@ class TrajectorySampler:
         )
 
     # ------------------------------------------------------------------------------ internals
-    def encode(self, prompts: Sequence[str], negative_prompts: Sequence[str] | None) -> PromptEmbeds:
-        """Encode distinct (prompt, negative) pairs once; rows follow `prompts`."""
+    def encode(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str] | None, chunk: int | None = None
+    ) -> PromptEmbeds:
+        """Encode distinct (prompt, negative) pairs once; rows follow `prompts`.
+
+        `chunk`: encode `chunk` consecutive prompts at a time (the groups of one sampler
+        micro-batch), so a prompt's conditioning is computed in the same batch however a step's
+        prompts are split among workers or replicas (batch size changes float rounding).
+        """
+        if chunk is not None and len(prompts) > chunk:
+            negatives = list(negative_prompts) if negative_prompts is not None else None
+            return PromptEmbeds.cat_padded(
+                [
+                    self.encode(prompts[s : s + chunk], negatives[s : s + chunk] if negatives else None)
+                    for s in range(0, len(prompts), chunk)
+                ]
+            )
         negatives = list(negative_prompts) if negative_prompts is not None else None
         keys = list(zip(prompts, negatives or [None] * len(prompts), strict=True))
         unique = list(dict.fromkeys(keys))
@@ -183,8 +198,9 @@ class TrajectorySampler:
         guidance, true_cfg = pipe.guidance_scale, pipe.true_cfg_scale
         if negative_prompts is None and adapter.wants_negative(guidance, true_cfg):
             negative_prompts = [pipe.negative_prompt] * len(prompts)
+        micro = self.cfg.micro_batch_size
         with torch.no_grad():
-            prompt_embeds = self.encode(prompts, negative_prompts)
+            prompt_embeds = self.encode(prompts, negative_prompts, chunk=max(1, micro // n))
         schedule = adapter.schedule(num_steps, **size)
         sigmas = schedule.sigmas.to(adapter.device)
         timesteps = schedule.timesteps.to(adapter.device)
@@ -194,7 +210,6 @@ class TrajectorySampler:
         prompt_index_B = torch.arange(len(prompts)).repeat_interleave(n)
         sample_index_B = torch.arange(sample_offset, sample_offset + total)
         group_index_B = sample_index_B // n  # global, like the sample index: it keys the group's noise
-        micro = self.cfg.micro_batch_size
         chunks: list[Trajectories] = []
         with self._progress_bar() as bar, torch.no_grad():
             task = bar.add_task(f"sampling step {step}", total=total * num_steps)

@@ -500,6 +500,9 @@ class WorkerGroup(ABC):
     cls: type
     size: int
     _closed: bool = False  # set by shutdown()
+    # The deadline of `call` and `scatter` (seconds, None = none): a worker that takes longer has
+    # stopped answering, and the TimeoutError names it (the trainer sets trainer.worker_timeout_s).
+    timeout_s: float | None = None
 
     # ------------------------------------------------------------------ what a subclass provides
     @abstractmethod
@@ -512,12 +515,22 @@ class WorkerGroup(ABC):
 
     # ------------------------------------------------------------------------------ the verbs
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method(*args, **kwargs)` on every worker and wait; results in rank order."""
-        return gather(self.call_async(method, *args, **kwargs))
+        """Call `method(*args, **kwargs)` on every worker and wait (at most `timeout_s`); results
+        in rank order."""
+        return gather(self.call_async(method, *args, **kwargs), self.timeout_s)
 
     def scatter(self, method: str, shards: Sequence[Any], **kwargs: Any) -> list[Any]:
-        """Call `method(shards[i], **kwargs)` on worker i and wait; results in rank order."""
-        return gather(self.scatter_async(method, shards, **kwargs))
+        """Call `method(shards[i], **kwargs)` on worker i and wait (at most `timeout_s`); results
+        in rank order."""
+        return gather(self.scatter_async(method, shards, **kwargs), self.timeout_s)
+
+    def submit(self, rank: int, method: str, *args: Any, **kwargs: Any) -> WorkerFuture:
+        """Call `method(*args, **kwargs)` on worker `rank` alone, without waiting (a request to one
+        replica of a pool, load-balanced by the caller)."""
+        self._check_method(method)
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not a worker of this group of {self.size}")
+        return self._submit(rank, method, args, kwargs)
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[WorkerFuture]:
         """`call` without waiting: one future per worker, in rank order (collect with `gather`)."""
@@ -782,8 +795,9 @@ class RayGroup(WorkerGroup):
     `cuda:0` (its only visible device), not `cuda:LOCAL_RANK`.
 
     Placement: by default the group creates (and at `shutdown` removes) a placement group of `n`
-    bundles `{"CPU": num_cpus, "GPU": num_gpus}` with `placement_strategy` (`PACK`: as few nodes as
-    possible, for NVLink; `SPREAD`: across nodes). Pass an existing `placement_group` (and
+    bundles `{"CPU": num_cpus, "GPU": num_gpus, **resources}` with `placement_strategy` (`PACK`: as
+    few nodes as possible, for NVLink; `SPREAD`: across nodes); custom `resources` (e.g.
+    `{"rollout_node": 1}`) keep a pool on the nodes started with them. Pass an existing `placement_group` (and
     `bundle_indices`, default `range(n)`) to colocate groups: e.g. a reward group with fractional
     GPUs in the bundles of the rollout group; the group then does not remove it.
 
@@ -802,6 +816,7 @@ class RayGroup(WorkerGroup):
         "placement_group",
         "bundle_indices",
         "placement_timeout_s",
+        "resources",
     )
 
     def __init__(
@@ -816,6 +831,7 @@ class RayGroup(WorkerGroup):
         placement_group: PlacementGroup | None = None,
         bundle_indices: Sequence[int] | None = None,
         placement_timeout_s: float | None = 300.0,
+        resources: Mapping[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
         import ray
@@ -848,8 +864,8 @@ class RayGroup(WorkerGroup):
         self.identities: list[WorkerIdentity] = []  # by rank, once every constructor returned
         self._owns_placement_group = placement_group is None
         if placement_group is None:
-            bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus)}
-            bundle = {key: value for key, value in bundle.items() if value > 0}
+            bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus), **(resources or {})}
+            bundle = {key: float(value) for key, value in bundle.items() if value > 0}
             placement_group = ray.util.placement_group(
                 [dict(bundle) for _ in range(n)], strategy=placement_strategy
             )
@@ -876,6 +892,7 @@ class RayGroup(WorkerGroup):
                 options = remote_cls.options(
                     num_cpus=num_cpus,
                     num_gpus=num_gpus,
+                    resources=dict(resources or {}),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=placement_group,
                         placement_group_bundle_index=bundle_indices[rank],

@@ -16,19 +16,21 @@ losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FL
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers.training_utils import cast_training_params
 
 from diffrl.config.schema import Config
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.train.batch import PolicyGradientBatch
-from diffrl.train.engine import POLICY, REFERENCE, TrainEngine
+from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine
 from diffrl.train.lora import inject_lora
 from diffrl.transition import Rollout
 
@@ -83,18 +85,53 @@ def join_process_group() -> None:
 
 
 class RolloutWorker:
-    """Samples trajectories; in the non-colocated placement its weights come from the actor."""
+    """Samples trajectories and scores them as they decode.
 
-    def __init__(self, cfg: Config, adapter: ModelAdapter | None = None):
+    Colocated, it wraps the actor's own module (`HybridWorker`); as a replica of the separate
+    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer, no
+    gradients) and receives the trainer's weights through `receive_weights`. `weight_version`
+    counts the trainer steps behind the weights it samples with; every rollout records it.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        adapter: ModelAdapter | None = None,
+        *,
+        with_old: bool = False,
+        use_policy: Callable[[str], AbstractContextManager] | None = None,
+    ):
         self.cfg = cfg
-        if adapter is None:  # its own model: the same LoRA layout as the actor's, to receive its weights
+        self.weight_version = 0
+        self._weight_sync: Any = None  # the WeightSyncGroup of a replica, once joined
+        if adapter is None:  # a replica: the actor's LoRA layout and dtypes, so its weights stream in 1:1
             adapter = build_adapter(cfg)
             if cfg.model.lora.rank > 0:
-                inject_lora(adapter, cfg.model.lora, [POLICY], seed=cfg.trainer.seed)
+                inject_lora(
+                    adapter, cfg.model.lora, [POLICY, OLD] if with_old else [POLICY], seed=cfg.trainer.seed
+                )
+                cast_training_params(
+                    adapter.transformer, torch.float32
+                )  # the trainer keeps fp32 LoRA weights
+            adapter.transformer.requires_grad_(False)
             if cfg.model.compile:
                 adapter.compile_blocks()
         self.adapter = adapter
+        self._use_policy = use_policy or self._set_adapter
         self.sampler = TrajectorySampler(self.adapter, cfg.rollout, progress=False)
+        self._text_len = 0
+
+    @contextmanager
+    def _set_adapter(self, policy: str) -> Iterator[None]:
+        """A replica samples as policy `policy` (`old` for DiffusionNFT) by switching peft's adapter."""
+        if policy == POLICY:
+            yield
+            return
+        self.adapter.transformer.set_adapter(policy)
+        try:
+            yield
+        finally:
+            self.adapter.transformer.set_adapter(POLICY)
 
     def sample(
         self,
@@ -105,20 +142,90 @@ class RolloutWorker:
         uids: Sequence[str] | None = None,
         metadata: Sequence[dict[str, Any]] | None = None,
     ) -> Rollout:
-        return self.sampler.sample(prompts, seed=seed, step=step, uids=uids, metadata=metadata)
+        with torch.no_grad():
+            return self.sampler.sample(prompts, seed=seed, step=step, uids=uids, metadata=metadata)
 
-    def sample_validation(
-        self,
-        prompts: Sequence[str],
-        *,
-        uids: Sequence[str] | None = None,
-        metadata: Sequence[dict[str, Any]] | None = None,
+    def sample_and_score(
+        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
     ) -> Rollout:
-        return self.sampler.sample_validation(prompts, uids=uids, metadata=metadata)
+        """Sample a shard of prompts as `policy`; each decoded micro-batch goes to `rewards.submit`
+        at once.
+
+        The rollout comes back on the CPU with the reward handles in `extras["reward_handles"]`,
+        in sample order, for the controller to gather, and the weight version in
+        `extras["weight_version"]`.
+        """
+        handles: list[Any] = []
+        with torch.no_grad(), self._use_policy(policy):
+            rollout = self.sampler.sample(
+                shard.prompts,
+                seed=seed,
+                step=step,
+                uids=shard.uids,
+                metadata=shard.metadata,
+                negative_prompts=shard.negative_prompts,
+                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
+                sample_offset=shard.sample_offset,
+            )
+        self._text_len = rollout.prompt_embeds.embeds.shape[1]
+        rollout = rollout.to("cpu")
+        rollout.extras["reward_handles"] = handles
+        rollout.extras["weight_version"] = self.weight_version
+        return rollout
+
+    def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
+        """`sample_validation` of a shard of prompts, scored."""
+        rollout = self.sampler.sample_validation(
+            shard.prompts,
+            uids=shard.uids,
+            metadata=shard.metadata,
+            negative_prompts=shard.negative_prompts,
+            sample_offset=shard.sample_offset,
+        ).to("cpu")
+        handles: list[Any] = []
+        _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
+        rollout.extras["reward_handles"] = handles
+        return rollout
+
+    def memory(self) -> dict[str, float]:
+        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
+        from diffrl.telemetry import memory_metrics
+
+        return memory_metrics(self.adapter.device)
+
+    # ------------------------------------------------------------------ weights (separate placement)
+    def join_weight_sync(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join the trainer's weight-sync group as rank `rank` (trainer rank 0 is rank 0)."""
+        from diffrl.workers.weight_sync import WeightSyncGroup
+
+        self._weight_sync = WeightSyncGroup.join(
+            host, port, rank, world_size, backend=backend, timeout_s=timeout_s
+        )
+
+    @torch.no_grad()
+    def receive_weights(self, specs: Sequence[Any], version: int, bucket_bytes: int) -> dict[str, float]:
+        """Receive the tensors `specs` names into the module, in place; sample as `version` from now."""
+        if self._weight_sync is None:
+            raise RuntimeError("receive_weights before join_weight_sync: the controller must join first")
+        params = self.adapter.transformer.state_dict(keep_vars=True)
+        stats = self._weight_sync.receive(specs, params, bucket_bytes=bucket_bytes)
+        self.weight_version = version
+        return stats.metrics()
+
+    def weight_digest(self) -> dict[str, str]:
+        """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""
+        return _digests(self.adapter.transformer.state_dict())
+
+    def close_weight_sync(self) -> None:
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+            self._weight_sync = None
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy streamed (name, tensor) pairs into the transformer; returns how many were loaded.
+        """Copy (name, tensor) pairs into the transformer; returns how many were loaded.
 
         Names are the actor's parameter names; an unknown name is an error (a model mismatch must
         not pass silently).
@@ -133,6 +240,17 @@ class RolloutWorker:
             params[name].copy_(tensor)
             count += 1
         return count
+
+
+def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    import hashlib
+
+    out = {}
+    for name, tensor in state.items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        data = full.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        out[name] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 class ActorWorker:
@@ -161,6 +279,8 @@ class ActorWorker:
         )
         if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
             adapter.compile_blocks()
+        self._text_len = 0
+        self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
         # Supervised training only (`flow_matching_backward`): filled on first use.
         self._training_sigmas: torch.Tensor | None = None
         self._prompt_cache: dict[str, Any] = {}
@@ -168,6 +288,8 @@ class ActorWorker:
     def forward_backward(
         self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
     ):
+        if micro_batches:  # the prompt length this step trains with, for `phase_flops`
+            self._text_len = micro_batches[0].rollout.prompt_embeds.embeds.shape[1]
         return self.engine.forward_backward(
             _to_device(micro_batches, self.engine.adapter.device), window_steps
         )
@@ -322,6 +444,87 @@ class ActorWorker:
 
         return iter_weights(self.engine.transformer, adapter_only=self.engine.lora)
 
+    def memory(self) -> dict[str, float]:
+        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
+        from diffrl.telemetry import memory_metrics
+
+        return memory_metrics(self.engine.adapter.device)
+
+    def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
+        """Model FLOPs of one step's phases (`diffrl.telemetry.perf.phase_flops`), with the prompt
+        length of this worker's last training micro-batch."""
+        from diffrl.telemetry.perf import phase_flops
+
+        return phase_flops(
+            self.engine.adapter,
+            self.cfg,
+            images=images,
+            window=window,
+            text_len=self._text_len,
+            recompute_old=recompute_old,
+            trains_base_weights=not self.engine.lora,
+        )
+
+    # ------------------------------------------------------------------ weights (separate placement)
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the weight-sync group's store: a free port on loopback for a local Ray
+        cluster (nothing listens beyond this host), on this node's address in a multi-node one."""
+        from diffrl.workers.weight_sync import free_address
+
+        return free_address(local=self.cfg.trainer.ray_address is None)
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 joins the weight-sync group as its source (rank 0 of it); the other ranks take part
+        in sends only through FSDP's all-gathers, so they join nothing."""
+        from diffrl.train.distributed import rank as process_rank
+        from diffrl.workers.weight_sync import WeightSyncGroup
+
+        if process_rank() == 0:
+            self._weight_sync = WeightSyncGroup.join(
+                host, port, 0, world_size, backend=backend, timeout_s=timeout_s
+            )
+
+    def weight_specs(self, full: bool) -> list[Any]:
+        """Name, global shape and dtype of what `send_weights(full)` streams (no gathering needed)."""
+        from diffrl.workers.weight_sync import tensor_specs
+
+        keep = self._sync_filter(full)
+        return tensor_specs((k, t) for k, t in self.engine.transformer.state_dict().items() if keep(k))
+
+    @torch.no_grad()
+    def send_weights(self, full: bool, bucket_bytes: int) -> dict[str, float]:
+        """Stream the weights to the replicas: every tensor (`full`) or the LoRA adapters only.
+
+        Every rank walks the same tensors (under FSDP2 each is all-gathered, collectively, just
+        before it is sent); rank 0 broadcasts them to the replicas bucket by bucket."""
+        from diffrl.train.distributed import rank as process_rank
+        from diffrl.train.export import iter_weights
+
+        named = iter_weights(self.engine.transformer, adapter_only=self.engine.lora and not full)
+        if process_rank() != 0:
+            for _ in named:  # the all-gathers rank 0 needs
+                pass
+            return {}
+        if self._weight_sync is None:
+            raise RuntimeError("send_weights before join_weight_sync: the controller must join first")
+        return self._weight_sync.send(named, bucket_bytes=bucket_bytes).metrics()
+
+    def weight_digest(self) -> dict[str, str]:
+        """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""
+        return _digests(self.engine.transformer.state_dict())
+
+    def close_weight_sync(self) -> None:
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+            self._weight_sync = None
+
+    def _sync_filter(self, full: bool) -> Callable[[str], bool]:
+        if full or not self.engine.lora:
+            return lambda name: True
+        from diffrl.train.export import adapter_key_predicate
+
+        return adapter_key_predicate(self.engine.transformer, None)
+
 
 class HybridWorker(ActorWorker):
     """Actor and sampler on one module: new weights reach the sampler without any copy."""
@@ -335,77 +538,22 @@ class HybridWorker(ActorWorker):
         with_reference: bool | None = None,
     ):
         super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference)
-        self.rollout = RolloutWorker(cfg, self.engine.adapter)
-        self._text_len = 0
+        self.rollout = RolloutWorker(cfg, self.engine.adapter, use_policy=self.engine.use_policy)
 
     def sample(self, prompts: Sequence[str], **kwargs) -> Rollout:
-        with torch.no_grad():
-            return self.rollout.sample(prompts, **kwargs)
+        return self.rollout.sample(prompts, **kwargs)
 
-    def sample_and_score(self, shard: PromptShard, *, seed: int, step: int, rewards: Any) -> Rollout:
-        """Sample a shard of prompts; each decoded micro-batch goes to `rewards.submit` at once.
-
-        The rollout comes back on the CPU with the reward handles in `extras["reward_handles"]`,
-        in sample order, for the controller to gather.
-        """
-        handles: list[Any] = []
-        with torch.no_grad():
-            rollout = self.rollout.sampler.sample(
-                shard.prompts,
-                seed=seed,
-                step=step,
-                uids=shard.uids,
-                metadata=shard.metadata,
-                negative_prompts=shard.negative_prompts,
-                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
-                sample_offset=shard.sample_offset,
-            )
-        self._text_len = rollout.prompt_embeds.embeds.shape[1]
-        rollout = rollout.to("cpu")
-        rollout.extras["reward_handles"] = handles
-        return rollout
-
-    def sample_and_score_policy(
-        self, shard: PromptShard, *, policy: str, seed: int, step: int, rewards: Any
+    def sample_and_score(
+        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
     ) -> Rollout:
-        """`sample_and_score` with policy `policy` (DiffusionNFT samples with the `old` adapter)."""
-        with self.engine.use_policy(policy):
-            return self.sample_and_score(shard, seed=seed, step=step, rewards=rewards)
+        return self.rollout.sample_and_score(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+
+    def set_weight_version(self, version: int) -> None:
+        """Colocated weights change in place; only the version the rollouts record moves."""
+        self.rollout.weight_version = version
 
     def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
-        """`sample_validation` of a shard of prompts, scored."""
-        rollout = self.rollout.sampler.sample_validation(
-            shard.prompts,
-            uids=shard.uids,
-            metadata=shard.metadata,
-            negative_prompts=shard.negative_prompts,
-            sample_offset=shard.sample_offset,
-        ).to("cpu")
-        handles: list[Any] = []
-        _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
-        rollout.extras["reward_handles"] = handles
-        return rollout
-
-    def memory(self) -> dict[str, float]:
-        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
-        from diffrl.telemetry import memory_metrics
-
-        return memory_metrics(self.engine.adapter.device)
-
-    def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
-        """Model FLOPs of one step's phases (`diffrl.telemetry.perf.phase_flops`), with this
-        worker's last prompt length."""
-        from diffrl.telemetry.perf import phase_flops
-
-        return phase_flops(
-            self.engine.adapter,
-            self.cfg,
-            images=images,
-            window=window,
-            text_len=self._text_len,
-            recompute_old=recompute_old,
-            trains_base_weights=not self.engine.lora,
-        )
+        return self.rollout.validate_and_score(shard, rewards=rewards)
 
 
 def _to_device(

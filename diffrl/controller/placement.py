@@ -1,0 +1,269 @@
+"""Where sampling and training run, and how new weights reach the sampler (trainer.placement).
+
+    colocated   one pool of HybridWorkers: each samples and trains the same module, so new
+                weights are in place when the optimizer steps; a step's prompts are split into
+                one equal shard of whole groups per worker (FSDP needs every rank to run the same
+                number of forwards).
+    separate    a trainer pool of ActorWorkers (FSDP2 ranks among themselves) and a rollout pool
+                of RolloutWorker replicas (a model copy each, no optimizer), each in its own Ray
+                placement group. A step's prompt groups become a stream of requests of one sampler
+                micro-batch each; a replica takes the next request as soon as it has fewer than
+                `rollout.requests_in_flight` queued, so a slow replica gets fewer. `sync_weights`
+                streams the trainer's weights to the replicas over a torch.distributed group of
+                trainer rank 0 and the replicas (diffrl.workers.weight_sync): all tensors the first
+                time, then the LoRA adapters only when training LoRA.
+
+Both hand the loop a `PendingRollout`: sampling runs while the controller does other work (the
+one-step-off loop trains meanwhile) and `result()` joins the pieces in prompt order, so what a
+step trains on does not depend on which replica sampled which request: a sample's noise is keyed
+by (seed, step, sample index) alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from diffrl.config.schema import Config
+from diffrl.controller.sharding import concat_rollouts, prompt_shard
+from diffrl.data import PromptRecord
+from diffrl.train.engine import POLICY
+from diffrl.transition import Rollout
+from diffrl.workers.group import WorkerFuture, WorkerGroup, gather, wait_any
+from diffrl.workers.roles import PromptShard
+
+
+class PendingRollout:
+    """A step's rollout being sampled; `result()` waits (at most `timeout_s`) and joins it."""
+
+    def __init__(self, wait: concurrent.futures.Future | list[WorkerFuture], timeout_s: float):
+        self._wait = wait
+        self._timeout_s = timeout_s
+        self._rollout: Rollout | None = None
+
+    def result(self) -> Rollout:
+        if self._rollout is None:
+            if isinstance(self._wait, concurrent.futures.Future):
+                try:
+                    parts = self._wait.result(self._timeout_s)
+                except TimeoutError as err:
+                    raise TimeoutError(
+                        f"sampling did not finish within trainer.worker_timeout_s={self._timeout_s:g} s: {err}"
+                    ) from None
+            else:
+                parts = gather(self._wait, timeout=self._timeout_s)
+            self._rollout = concat_rollouts(parts)
+        return self._rollout
+
+    def done(self) -> bool:
+        if self._rollout is not None:
+            return True
+        if isinstance(self._wait, concurrent.futures.Future):
+            return self._wait.done()
+        return all(future.done() for future in self._wait)
+
+
+class Placement(ABC):
+    """The pools a loop calls: `trainer` (forward_backward, log_probs, save, ...) and `samplers`
+    (validate_and_score); `sample` starts a step's rollout, `sync_weights` publishes weights."""
+
+    trainer: WorkerGroup
+    samplers: WorkerGroup
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.timeout_s = cfg.trainer.worker_timeout_s
+        self.weight_version = 0  # trainer steps behind the weights the samplers hold
+
+    @property
+    def gpus(self) -> int:
+        """GPUs (or CPU workers) the run occupies, for per-GPU throughput and MFU."""
+        return self.trainer.size
+
+    @abstractmethod
+    def sample(
+        self,
+        records: Sequence[PromptRecord],
+        uids: Sequence[str],
+        *,
+        step: int,
+        rewards: Any,
+        policy: str = POLICY,
+    ) -> PendingRollout:
+        """Start sampling `rollout.n` trajectories per prompt; each micro-batch is scored as it decodes."""
+
+    @abstractmethod
+    def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
+        """Make the samplers hold the trainer's current weights, as `version`; returns metrics."""
+
+    def shutdown(self) -> None:  # noqa: B027 (only Separate starts something of its own)
+        """Stop what the placement started beyond the groups (which the worker session owns)."""
+
+
+class Colocated(Placement):
+    """One pool: HybridWorkers sample and train one module (the module docstring)."""
+
+    def __init__(self, cfg: Config, workers: WorkerGroup):
+        super().__init__(cfg)
+        self.trainer = self.samplers = workers
+
+    def sample(
+        self,
+        records: Sequence[PromptRecord],
+        uids: Sequence[str],
+        *,
+        step: int,
+        rewards: Any,
+        policy: str = POLICY,
+    ) -> PendingRollout:
+        world, n = self.trainer.size, self.cfg.rollout.n
+        per_worker = len(records) // world
+        shards = [
+            prompt_shard(
+                records[rank * per_worker : (rank + 1) * per_worker],
+                uids[rank * per_worker :],
+                rank * per_worker * n,
+                self.cfg.rollout.pipeline.negative_prompt,
+            )
+            for rank in range(world)
+        ]
+        futures = self.trainer.scatter_async(
+            "sample_and_score", shards, seed=self.cfg.rollout_seed, step=step, rewards=rewards, policy=policy
+        )
+        return PendingRollout(futures, self.timeout_s)
+
+    def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
+        if version != self.weight_version:
+            gather(self.trainer.call_async("set_weight_version", version), timeout=self.timeout_s)
+            self.weight_version = version
+        return {}
+
+
+class Separate(Placement):
+    """A trainer pool and a pool of rollout replicas (the module docstring)."""
+
+    def __init__(self, cfg: Config, trainer: WorkerGroup, replicas: WorkerGroup, *, backend: str):
+        super().__init__(cfg)
+        self.trainer, self.samplers = trainer, replicas
+        self.replicas = replicas
+        self.backend = backend
+        sync = cfg.rollout.weight_sync
+        self.bucket_bytes = int(sync.bucket_mb * 2**20)
+        self._synced_once = False
+        self._pump = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="diffrl-requests"
+        )
+        self._cancel = threading.Event()
+        # One group: trainer rank 0 (the source, rank 0) and the replicas (ranks 1..R).
+        host, port = trainer.call_async("weight_sync_address")[0].result(self.timeout_s)
+        world = 1 + replicas.size
+        joins = trainer.call_async("join_weight_sync", host, port, world, backend, sync.timeout_s)
+        joins += [
+            replicas.submit(rank, "join_weight_sync", host, port, rank + 1, world, backend, sync.timeout_s)
+            for rank in range(replicas.size)
+        ]
+        gather(joins, timeout=sync.timeout_s + 30)
+
+    @property
+    def gpus(self) -> int:
+        trainer = self.trainer.size * self.cfg.trainer.gpus_per_worker
+        return max(1, round(trainer + self.replicas.size * self.cfg.rollout.gpus_per_replica))
+
+    # ------------------------------------------------------------------------------ sampling
+    def requests(self, records: Sequence[PromptRecord], uids: Sequence[str]) -> list[PromptShard]:
+        """Whole prompt groups, one sampler micro-batch's worth per request, in prompt order."""
+        n = self.cfg.rollout.n
+        groups = max(1, self.cfg.rollout.micro_batch_size // n)
+        negative = self.cfg.rollout.pipeline.negative_prompt
+        return [
+            prompt_shard(records[start : start + groups], uids[start : start + groups], start * n, negative)
+            for start in range(0, len(records), groups)
+        ]
+
+    def sample(
+        self,
+        records: Sequence[PromptRecord],
+        uids: Sequence[str],
+        *,
+        step: int,
+        rewards: Any,
+        policy: str = POLICY,
+    ) -> PendingRollout:
+        kwargs = {"seed": self.cfg.rollout_seed, "step": step, "rewards": rewards, "policy": policy}
+        future = self._pump.submit(self._stream, self.requests(records, uids), kwargs)
+        return PendingRollout(future, self.timeout_s)
+
+    def _stream(self, requests: list[PromptShard], kwargs: dict[str, Any]) -> list[Rollout]:
+        """Keep every replica busy with up to `requests_in_flight` requests until all are answered;
+        a replica's failure ends the stream at once (the rest would wait on it)."""
+        limit = self.cfg.rollout.requests_in_flight
+        results: list[Rollout | None] = [None] * len(requests)
+        queue = deque(enumerate(requests))
+        in_flight: dict[WorkerFuture, tuple[int, int]] = {}
+        load = [0] * self.replicas.size
+        deadline = time.monotonic() + self.timeout_s
+        while queue or in_flight:
+            while queue:
+                replica = min(range(self.replicas.size), key=load.__getitem__)
+                if load[replica] >= limit:
+                    break
+                index, request = queue.popleft()
+                in_flight[self.replicas.submit(replica, "sample_and_score", request, **kwargs)] = (
+                    index,
+                    replica,
+                )
+                load[replica] += 1
+            if self._cancel.is_set():
+                raise RuntimeError("sampling cancelled: the run is stopping")
+            for future in wait_any(list(in_flight), timeout=max(0.0, deadline - time.monotonic())):
+                index, replica = in_flight.pop(future)
+                results[index] = future.result()
+                load[replica] -= 1
+        return [r for r in results if r is not None]
+
+    # ------------------------------------------------------------------------------ weights
+    def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
+        """Stream the trainer's weights to every replica. The first sync (and `full`) moves every
+        tensor, so the replicas match whatever the trainer loaded; later ones with LoRA only the
+        adapters (the base weights do not change). A no-op when the replicas hold `version`."""
+        if version == self.weight_version and self._synced_once and not full:
+            return {}
+        full = full or not self._synced_once
+        start = time.perf_counter()
+        specs = self.trainer.call_async("weight_specs", full)[0].result(self.timeout_s)
+        sync_timeout = self.cfg.rollout.weight_sync.timeout_s + 30
+        sends = self.trainer.call_async("send_weights", full, self.bucket_bytes)
+        receives = [
+            self.replicas.submit(rank, "receive_weights", specs, version, self.bucket_bytes)
+            for rank in range(self.replicas.size)
+        ]
+        sent = gather(sends + receives, timeout=sync_timeout)[0]
+        self.weight_version, self._synced_once = version, True
+        return {
+            "weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/bytes": float(sent.get("weight_sync/bytes", 0.0)),
+            "weight_sync/tensors": float(sent.get("weight_sync/tensors", 0.0)),
+            "weight_sync/full": float(full),
+        }
+
+    def shutdown(self) -> None:
+        self._cancel.set()
+        self._pump.shutdown(wait=False, cancel_futures=True)
+
+
+def sync_backend(cfg: Config, has_gpu: bool) -> str:
+    """`rollout.weight_sync.backend`, with auto resolved: NCCL needs every member on its own GPU,
+    so replicas that share a GPU with the trainer (a GPU share below 1) or CPU workers use gloo."""
+    chosen = cfg.rollout.weight_sync.backend
+    if chosen != "auto":
+        return chosen
+    own_gpus = cfg.trainer.gpus_per_worker >= 1 and cfg.rollout.gpus_per_replica >= 1
+    return "nccl" if has_gpu and own_gpus else "gloo"
+
+
+__all__ = ["Colocated", "PendingRollout", "Placement", "Separate", "sync_backend"]

@@ -1,0 +1,141 @@
+"""Separate placement (trainer ranks and rollout replicas in their own Ray processes), weight sync,
+and one-step-off async training, end to end on CPU with the tiny SD3."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffrl.config import load_config
+from diffrl.controller.placement import Separate
+from diffrl.controller.policy_gradient import PolicyGradientTrainer
+from diffrl.controller.run import placement_session, preflight, train
+from diffrl.models import load_model
+from diffrl.telemetry import RunLogger
+from diffrl.telemetry import read_metrics as diffrl_read_metrics
+from diffrl.train.lora import inject_lora
+
+# 4 prompts x 4 samples, rollout micro-batches of 8 (two requests a step), three steps.
+BASE = [
+    "tiny_sd3",
+    "trainer.total_steps=3",
+    "trainer.save_freq=0",
+    "trainer.test_freq=3",
+    "trainer.val_before_train=false",
+    "trainer.loggers=[jsonl]",
+]
+SEPARATE = ["trainer.placement=separate", "rollout.replicas=2", "rollout.requests_in_flight=1"]
+# Wall clock, and what only a separate run has: weight-sync costs and weight versions.
+ONE_MODE_ONLY = ("timing", "throughput", "perf/", "time", "memory", "weight_sync/", "rollout/")
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch, tmp_path):
+    # one compute thread in every process, so the driver and the Ray workers run the same kernels
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    return diffrl_read_metrics(run_dir / "metrics.jsonl")
+
+
+def comparable(row: dict) -> dict:
+    return {
+        k: v for k, v in row.items() if not k.startswith(ONE_MODE_ONLY) and "seconds" not in k and k != "step"
+    }
+
+
+def test_separate_placement_in_sync_mode_reproduces_the_colocated_run(tmp_path):
+    # a separate run recomputes the old log-probs (its sampler is another process): so does this one
+    recompute = "algorithm.old_log_probs=recompute"
+    colocated = read_metrics(
+        train(BASE[0], [*BASE[1:], recompute, f"trainer.output_dir={tmp_path}", "trainer.run_name=co"])
+    )
+    separate = read_metrics(
+        train(BASE[0], [*BASE[1:], *SEPARATE, f"trainer.output_dir={tmp_path}", "trainer.run_name=sep"])
+    )
+    assert sorted(separate) == sorted(colocated) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert comparable(separate[step]) == comparable(colocated[step]), step
+        # sync mode: every trajectory was sampled with the weights the step started from
+        assert separate[step]["rollout/weight_version"] == step - 1
+        assert separate[step]["rollout/staleness"] == 0
+    assert "val/rewards/mean" in separate[3]
+    # the first sync moves every tensor, the later ones (LoRA) only the adapters
+    assert separate[1]["weight_sync/full"] == 1.0
+    assert separate[2]["weight_sync/full"] == 0.0
+    assert separate[2]["weight_sync/bytes"] < separate[1]["weight_sync/bytes"] / 10
+
+
+def _adapter_bytes(cfg) -> int:
+    """The LoRA tensors a sync must move, counted on an independently built model."""
+    adapter = load_model(cfg.model.path, cfg.model.dtype, torch.device("cpu"))
+    inject_lora(adapter, cfg.model.lora, ["default"], seed=cfg.trainer.seed)
+    return sum(
+        p.numel() * 4  # the trainer keeps fp32 LoRA weights
+        for name, p in adapter.transformer.named_parameters()
+        if "lora_" in name
+    )
+
+
+def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(tmp_path):
+    cfg = load_config(
+        BASE[0], [*BASE[1:], *SEPARATE, "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"]
+    )
+    train_records, val_records = preflight(cfg)
+    with (
+        placement_session(cfg) as (placement, rewards),
+        RunLogger(tmp_path, ["jsonl"], total_steps=2, config={}, run_name="sync") as logger,
+    ):
+        assert isinstance(placement, Separate)
+        loop = PolicyGradientTrainer(
+            cfg,
+            tmp_path,
+            reuse_rollout_log_probs=False,
+            placement=placement,
+            rewards=rewards,
+            train_records=train_records,
+            val_records=[],
+            logger=logger,
+        )
+        digests = []
+        for step in (1, 2):
+            loop.step = step
+            loop.train_step()
+            sent = placement.sync_weights(step)
+            trainer = placement.trainer.call("weight_digest")[0]
+            replicas = placement.replicas.call("weight_digest")
+            assert all(replica == trainer for replica in replicas), f"step {step}: replica weights differ"
+            digests.append(trainer)
+            # after the first (full) sync, only adapter bytes move
+            assert sent["weight_sync/full"] == 0.0
+            assert sent["weight_sync/bytes"] == _adapter_bytes(cfg)
+        assert digests[0] != digests[1]  # the update changed what was synced
+
+
+def test_one_step_off_samples_each_batch_one_version_behind_and_trains(tmp_path):
+    run_dir = train(
+        BASE[0],
+        [
+            *BASE[1:],
+            *SEPARATE,
+            "trainer.async_mode=one_step_off",
+            "trainer.total_steps=4",
+            "trainer.test_freq=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=async",
+        ],
+    )
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == [1, 2, 3, 4]
+    # step 1 has nothing to overlap with; from step 2 on, batch k was sampled during step k-1 with
+    # the weights step k-1 started from (version k-2): one version behind the trainer
+    assert [metrics[k]["rollout/weight_version"] for k in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert [metrics[k]["rollout/staleness"] for k in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    for step in (2, 3, 4):
+        # the proximal (trainer) and behaviour (replica) log-probs differ: the gap is logged
+        assert metrics[step]["rollout_correction/abs_logp_diff_max"] > 0
+        assert math.isfinite(metrics[step]["actor/loss"])
+    assert "val/rewards/mean" in metrics[2] and "val/rewards/mean" in metrics[4]
