@@ -84,7 +84,7 @@ def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(tmp_pat
     cfg = load_config(
         BASE[0], [*BASE[1:], *SEPARATE, "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"]
     )
-    train_records, val_records = preflight(cfg)
+    train_records, _ = preflight(cfg)
     with (
         placement_session(cfg) as (placement, rewards),
         RunLogger(tmp_path, ["jsonl"], total_steps=2, config={}, run_name="sync") as logger,
