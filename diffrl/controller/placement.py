@@ -37,6 +37,8 @@ from diffrl.transition import Rollout
 from diffrl.workers.group import WorkerFuture, WorkerGroup, gather, wait_any
 from diffrl.workers.roles import PromptShard
 
+_POLL_S = 1.0  # how often the request stream checks whether the run is stopping
+
 
 class PendingRollout:
     """A step's rollout being sampled; `result()` waits (at most `timeout_s`) and joins it."""
@@ -218,9 +220,17 @@ class Separate(Placement):
                     replica,
                 )
                 load[replica] += 1
+            # Short waits, so a run that stops (the driver failed elsewhere) ends this thread too.
+            remaining = deadline - time.monotonic()
             if self._cancel.is_set():
                 raise RuntimeError("sampling cancelled: the run is stopping")
-            for future in wait_any(list(in_flight), timeout=max(0.0, deadline - time.monotonic())):
+            try:
+                done = wait_any(list(in_flight), timeout=max(0.0, min(remaining, _POLL_S)))
+            except TimeoutError:
+                if remaining <= _POLL_S:
+                    raise
+                continue
+            for future in done:
                 index, replica = in_flight.pop(future)
                 results[index] = future.result()
                 load[replica] -= 1
