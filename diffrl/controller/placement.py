@@ -34,7 +34,7 @@ from diffrl.controller.sharding import concat_rollouts, prompt_shard
 from diffrl.data import PromptRecord
 from diffrl.train.engine import POLICY
 from diffrl.transition import Rollout
-from diffrl.workers.group import WorkerFuture, WorkerGroup, gather, wait_any
+from diffrl.workers.group import WorkerFuture, WorkerGroup, gather, wait_any, wait_done
 from diffrl.workers.roles import PromptShard
 
 _POLL_S = 1.0  # how often the request stream checks whether the run is stopping
@@ -224,15 +224,11 @@ class Separate(Placement):
             remaining = deadline - time.monotonic()
             if self._cancel.is_set():
                 raise RuntimeError("sampling cancelled: the run is stopping")
-            try:
-                done = wait_any(list(in_flight), timeout=max(0.0, min(remaining, _POLL_S)))
-            except TimeoutError:
-                if remaining <= _POLL_S:
-                    raise
-                continue
-            for future in done:
+            if remaining <= 0:
+                wait_any(list(in_flight), timeout=0)  # the TimeoutError names the silent replicas
+            for future in wait_done(list(in_flight), timeout=min(remaining, _POLL_S)):
                 index, replica = in_flight.pop(future)
-                results[index] = future.result()
+                results[index] = future.result()  # a failed request raises its WorkerError here
                 load[replica] -= 1
         return [r for r in results if r is not None]
 

@@ -70,6 +70,7 @@ __all__ = [
     "ensure_ray",
     "gather",
     "wait_any",
+    "wait_done",
 ]
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -402,6 +403,20 @@ def wait_any(futures: Sequence[WorkerFuture], timeout: float | None = None) -> l
     futures = list(futures)
     if not futures:
         raise ValueError("wait_any() needs at least one future (nothing would ever finish)")
+    done = wait_done(futures, timeout)
+    if not done:
+        raise _timeout_error(futures, timeout, verb="wait_any")
+    for future in done:
+        # Raises its WorkerError if it failed. No timeout: a done Ray result may still have to come
+        # from another node (ray.wait above does not fetch), which is not a worker that hangs.
+        future.result()
+    return done
+
+
+def wait_done(futures: Sequence[WorkerFuture], timeout: float | None) -> list[WorkerFuture]:
+    """The done ones of `futures` (in order) once at least one is, or [] after `timeout` seconds:
+    `wait_any` without its errors, for a caller that polls (and checks other things between)."""
+    futures = list(futures)
     deadline = None if timeout is None else time.monotonic() + timeout
     if all(isinstance(f, RayFuture) for f in futures):
         import ray
@@ -424,12 +439,6 @@ def wait_any(futures: Sequence[WorkerFuture], timeout: float | None = None) -> l
         while not done and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.01 if deadline is None else min(0.01, _remaining(deadline) or 0.0))
             done = [f for f in futures if f.done()]
-    if not done:
-        raise _timeout_error(futures, timeout, verb="wait_any")
-    for future in done:
-        # Raises its WorkerError if it failed. No timeout: a done Ray result may still have to come
-        # from another node (ray.wait above does not fetch), which is not a worker that hangs.
-        future.result()
     return done
 
 
