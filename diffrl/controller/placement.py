@@ -34,7 +34,15 @@ from diffrl.controller.sharding import concat_rollouts, prompt_shard
 from diffrl.data import PromptRecord
 from diffrl.train.engine import POLICY
 from diffrl.transition import Rollout
-from diffrl.workers.group import WorkerFuture, WorkerGroup, gather, wait_any, wait_done
+from diffrl.workers.group import (
+    WorkerError,
+    WorkerFuture,
+    WorkerGroup,
+    _log_tail,
+    gather,
+    wait_any,
+    wait_done,
+)
 from diffrl.workers.roles import PromptShard
 
 _POLL_S = 1.0  # how often the request stream checks whether the run is stopping
@@ -68,6 +76,37 @@ class PendingRollout:
         if isinstance(self._wait, concurrent.futures.Future):
             return self._wait.done()
         return all(future.done() for future in self._wait)
+
+
+class _ScoredFor:
+    """A reward handle of a replica's request. The replica submitted the scoring, so Ray made it
+    the owner of the score: a replica that dies before the driver fetched the score turns it into
+    Ray's bare `OwnerDiedError`, which names a worker id; this raises the `WorkerError` naming
+    the replica (node, pid, last log lines) instead."""
+
+    def __init__(self, handle: Any, request: WorkerFuture):
+        # not the request itself: its object ref would pin the rollout in Ray's object store
+        self.handle = handle
+        self.rank, self.size, self.method = request.rank, request.size, request.method
+        self.identity = getattr(request, "identity", None)
+
+    def result(self, timeout: float | None = None) -> Any:
+        import ray
+
+        try:
+            return self.handle.result(timeout)
+        except ray.exceptions.OwnerDiedError as err:
+            raise WorkerError(
+                self.rank,
+                self.size,
+                f"{self.method} (the reward scores it submitted were not fetched yet)",
+                err,
+                identity=self.identity,
+                log_tail=None if self.identity is None else _log_tail(self.identity),
+            ) from err
+
+    def done(self) -> bool:
+        return self.handle.done()
 
 
 class Placement(ABC):
@@ -229,6 +268,8 @@ class Separate(Placement):
             for future in wait_done(list(in_flight), timeout=min(remaining, _POLL_S)):
                 index, replica = in_flight.pop(future)
                 results[index] = future.result()  # a failed request raises its WorkerError here
+                handles = results[index].extras.get("reward_handles", [])
+                results[index].extras["reward_handles"] = [_ScoredFor(h, future) for h in handles]
                 load[replica] -= 1
         return [r for r in results if r is not None]
 

@@ -44,12 +44,17 @@ ZYGOTE = textwrap.dedent(
             return
         what, at = kill["at"], kill.get("call", 1)
         calls = [0]
-        if what in ("actor", "reward"):
-            return kill_worker(what)
+        if what in ("actor", "reward", "trainer", "replica"):
+            return kill_worker(what, kill.get("rank", 1), kill.get("when", "start"))
         if what == "rollout":  # the at-th decoded micro-batch handed to the reward workers
             owner, name = diffrl.rewards.workers.InProcessRewardWorkers, "submit"
         elif what == "update":  # entering the at-th optimizer step (earlier ones of the step are done)
             owner, name = diffrl.workers.roles.HybridWorker, "optim_step"
+        elif what == "driver_update":  # the driver entering its at-th step update (separate placement,
+            # where the optimizer steps in the trainer ranks' own processes)
+            from diffrl.controller.policy_gradient import PolicyGradientTrainer as owner
+
+            name = "_update"
         elif what == "save":  # the at-th metadata file of a checkpoint save (weights already written)
             owner, name = diffrl.train.checkpoint, "_write_durable"
         original = getattr(owner, name)
@@ -63,22 +68,55 @@ ZYGOTE = textwrap.dedent(
 
         setattr(owner, name, wrapped)
 
-    def kill_worker(what):
-        # SIGKILL a worker process (actor rank 1, or the reward actor) as the first step starts.
+    def kill_worker(what, rank=1, when="start"):
+        # SIGKILL a worker process once, in step 1: a colocated actor ("actor", rank 1), a reward
+        # actor ("reward"), a separate placement's trainer rank ("trainer") or rollout replica
+        # ("replica"). when="start": as the step starts; "streaming": as the step's rollout is in
+        # (one_step_off: the next batch's requests were just sent to the replicas);
+        # "dead_before_scores": the same, and Ray has seen the death before the driver fetches
+        # the rewards of the rollout (scores the dead replica submitted, so owned).
         import ray
         from diffrl.controller.policy_gradient import PolicyGradientTrainer
 
-        original = PolicyGradientTrainer.train_step
+        pids, actors = [], []
+        original_step, original_rollout = PolicyGradientTrainer.train_step, PolicyGradientTrainer.rollout_for_step
 
-        def train_step(self):
-            actor = self.workers.actors[1] if what == "actor" else self.rewards.actors[0]
-            os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60), signal.SIGKILL)
+        def kill():
+            os.kill(pids[0], signal.SIGKILL)
             # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
             sys.stderr.write(f"fault: worker killed at {time.monotonic()}\\n")
             sys.stderr.flush()
-            return original(self)
+
+        def train_step(self):
+            if self.step == 1:
+                if what == "reward":
+                    actor = self.rewards.actors[0]
+                elif what == "replica":
+                    actor = self.placement.replicas.actors[rank]
+                else:
+                    actor = self.workers.actors[rank]
+                # asked before the step: an actor runs one call at a time, so once requests are
+                # queued on it, this would wait for them and the kill would land after them
+                pids.append(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60))
+                actors.append(actor)
+                if when == "start":
+                    kill()
+            return original_step(self)
+
+        def rollout_for_step(self, *args, **kwargs):
+            result = original_rollout(self, *args, **kwargs)
+            if when in ("streaming", "dead_before_scores") and self.step == 1:
+                kill()
+            if when == "dead_before_scores" and self.step == 1:
+                # the driver fetches the step's scores only once Ray knows the replica is gone
+                try:
+                    ray.get(actors[0].__ray_call__.remote(lambda _: None), timeout=30)
+                except ray.exceptions.RayActorError:
+                    pass
+            return result
 
         PolicyGradientTrainer.train_step = train_step
+        PolicyGradientTrainer.rollout_for_step = rollout_for_step
 
     for line in sys.stdin:
         job = json.loads(line)
@@ -205,6 +243,72 @@ def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
     assert re.search(message, log), log[-3000:]
     # The bound is on noticing the death, not on starting Ray and the workers (load-dependent).
     killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
+    assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
+    deadline = time.monotonic() + 20
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _tagged_processes(tag) == [], "processes of the failed run were left behind"
+
+
+# Separate placement, one step off: trainer rank(s), rollout replicas and reward workers are each
+# their own Ray actors, and the next batch's requests stream to the replicas from a driver thread.
+SEPARATE = [
+    "trainer.placement=separate",
+    "trainer.async_mode=one_step_off",
+    "rollout.replicas=2",
+]
+
+
+@pytest.mark.parametrize(
+    ("kill", "message"),
+    [
+        # killed while its request of the next batch (step 2's) is queued or sampling
+        (
+            {"at": "replica", "rank": 0, "when": "streaming"},
+            r"RolloutWorker rank 0 \(of 2\) on node \S+ \(pid \d+\) died during RolloutWorker\.\w+[^:]*: \w*(Actor|Owner)",
+        ),
+        # killed after returning its requests of step 1, before the driver fetched their rewards:
+        # Ray made the replica the owner of the scores it submitted, so they died with it
+        (
+            {"at": "replica", "rank": 0, "when": "dead_before_scores"},
+            r"RolloutWorker rank 0 \(of 2\) on node \S+ \(pid \d+\) died during RolloutWorker\.sample_and_score "
+            r"\(the reward scores it submitted were not fetched yet\): OwnerDiedError",
+        ),
+        # the weight-sync source: killed before step 1's first sync
+        (
+            {"at": "trainer", "rank": 0},
+            r"ActorWorker rank 0 \(of 1\) on node \S+ \(pid \d+\) died during ActorWorker\.\w+: \w*Actor",
+        ),
+        (
+            {"at": "reward"},
+            r"worker rank 0 \(of 1\) failed in RewardWorker\.score: \w*Actor",
+        ),
+    ],
+    ids=["replica", "replica-owning-scores", "trainer", "reward"],
+)
+def test_a_dead_actor_ends_a_one_step_off_run_naming_it(zygote, tmp_path, kill, message):
+    tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+    code = zygote(
+        [
+            "train",
+            *ARGS,
+            *SEPARATE,
+            "trainer.save_freq=0",  # a step ending with a checkpoint starts no next batch
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=dead",
+            "reward.workers=1",
+            "trainer.loggers=[jsonl]",
+        ],
+        kill=kill,
+        env={tag: "1"},
+    )
+    ended = time.monotonic()
+    log = zygote.log.read_text()
+    assert code == 1, log[-3000:]
+    found = re.search(message, log)
+    assert found, log[-3000:]
+    killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
+    print(f"\n{kill['at']}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
     assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
     deadline = time.monotonic() + 20
     while _tagged_processes(tag) and time.monotonic() < deadline:
