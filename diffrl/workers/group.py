@@ -730,8 +730,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
             )
         from diffrl.telemetry.console import ray_init_kwargs
 
-        # the workers' quieting environment and Ray's log level (diffrl.telemetry.console)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **ray_init_kwargs())
+        # address="local": a cluster of this run's own. Without an address Ray joins any cluster
+        # already running on the machine (RAY_ADDRESS, the last `ray start`, or a GCS process it
+        # finds), e.g. another user's or another diffrl run's, sharing its workers and failing on
+        # num_cpus. Then the workers' quieting environment and Ray's log level.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **ray_init_kwargs())
         return True
     if num_cpus is not None:
         raise ValueError(

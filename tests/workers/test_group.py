@@ -163,6 +163,33 @@ def test_ensure_ray_and_ray_group_need_a_reachable_cluster():
     assert not ray.is_initialized()
 
 
+def test_ensure_ray_starts_a_cluster_of_its_own_whatever_the_environment_points_at(monkeypatch):
+    """Ray without an address joins RAY_ADDRESS (or any cluster running on the machine): a run must
+    not share another run's cluster, so ensure_ray() asks for a local one explicitly."""
+    assert not ray.is_initialized()
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{sock.getsockname()[1]}")
+    try:
+        assert ensure_ray(None, num_cpus=1) is True
+        assert ray.cluster_resources()["CPU"] == 1.0  # the cluster it started, with its num_cpus
+    finally:
+        ray.shutdown()
+
+
+def test_submit_and_the_group_deadline():
+    with InProcessGroup(Counter, 2) as group:
+        assert group.submit(1, "add", 2.0).result() == 2.0
+        assert [w.total for w in group.workers] == [0.0, 2.0]  # rank 1 alone
+        with pytest.raises(ValueError, match=r"rank 2 is not a worker of this group of 2"):
+            group.submit(2, "add", 1.0)
+        with pytest.raises(ValueError, match=r"Counter has no method 'nope'"):
+            group.submit(0, "nope")
+        group.timeout_s = 0.1
+        with pytest.raises(TimeoutError, match=r"gather timed out after 0.1 s"):
+            group.call("sleep_then", 0.5, "late")
+
+
 # ------------------------------------------------------------------------------------ in process
 @pytest.mark.parametrize("synchronous", [False, True])
 def test_in_process_group(synchronous):
