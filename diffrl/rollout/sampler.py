@@ -137,33 +137,36 @@ class TrajectorySampler:
     def encode(
         self, prompts: Sequence[str], negative_prompts: Sequence[str] | None, chunk: int | None = None
     ) -> PromptEmbeds:
-        """Encode distinct (prompt, negative) pairs once; rows follow `prompts`.
+        """Encode each distinct (prompt, negative) pair once; rows follow `prompts`.
 
-        `chunk`: encode `chunk` consecutive prompts at a time (the groups of one sampler
-        micro-batch), so a prompt's conditioning is computed in the same batch however a step's
-        prompts are split among workers or replicas (batch size changes float rounding).
+        `chunk`: encode the new pairs of `chunk` consecutive prompts at a time (the groups of one
+        sampler micro-batch), so a prompt's conditioning is computed in the same batch however a
+        step's prompts are split among workers or replicas (the batch size changes float rounding).
         """
-        if chunk is not None and len(prompts) > chunk:
-            negatives = list(negative_prompts) if negative_prompts is not None else None
-            return PromptEmbeds.cat_padded(
-                [
-                    self.encode(prompts[s : s + chunk], negatives[s : s + chunk] if negatives else None)
-                    for s in range(0, len(prompts), chunk)
-                ]
+        negatives = list(negative_prompts) if negative_prompts is not None else [None] * len(prompts)
+        keys = list(zip(prompts, negatives, strict=True))
+        chunk = chunk or max(1, len(keys))
+        row: dict[tuple, int] = {}
+        tables = []
+        for start in range(0, len(keys), chunk):
+            new = list(dict.fromkeys(k for k in keys[start : start + chunk] if k not in row))
+            if not new:
+                continue
+            for key in new:
+                row[key] = len(row)
+            self.encode_calls += len(new)
+            tables.append(
+                self.adapter.encode_prompts(
+                    [p for p, _ in new],
+                    [n for _, n in new] if negative_prompts is not None else None,
+                    self.cfg.pipeline.max_sequence_length,
+                )
             )
-        negatives = list(negative_prompts) if negative_prompts is not None else None
-        keys = list(zip(prompts, negatives or [None] * len(prompts), strict=True))
-        unique = list(dict.fromkeys(keys))
-        self.encode_calls += len(unique)
-        embeds = self.adapter.encode_prompts(
-            [p for p, _ in unique],
-            [n for _, n in unique] if negatives is not None else None,
-            self.cfg.pipeline.max_sequence_length,
-        )
-        if len(unique) == len(keys):
+        embeds = tables[0] if len(tables) == 1 else PromptEmbeds.cat_padded(tables)
+        order = [row[k] for k in keys]
+        if order == list(range(len(order))):
             return embeds
-        row = {key: i for i, key in enumerate(unique)}
-        return embeds[torch.tensor([row[k] for k in keys], device=embeds.embeds.device)]
+        return embeds[torch.tensor(order, device=embeds.embeds.device)]
 
     def _run(
         self,
