@@ -1,12 +1,13 @@
 """Worker roles: plain classes that a Ray actor (or a test, in-process) hosts, one per GPU.
 
-    RolloutWorker    a sampler on its own copy of the model (weights arrive by `load_weights`)
+    RolloutWorker    a sampler on its own copy of the model (weights arrive by `receive_weights`)
     ActorWorker      the training engine
     HybridWorker     actor and sampler sharing one module in one process: no weight copy at all
 
-Colocation is the controller's placement decision: it picks HybridWorker, or (issue 13's separate
-placement) ActorWorker plus RolloutWorker on different GPUs, the actor's `export_weights` feeding
-the replica's `load_weights`; the classes carry no flags about it. Each role builds its model
+Colocation is the controller's placement decision: it picks HybridWorker, or (the separate
+placement, diffrl.controller.placement) ActorWorker ranks plus RolloutWorker replicas in their
+own processes, the actor's `send_weights` feeding the replicas' `receive_weights` over
+diffrl.workers.weight_sync; the classes carry no flags about it. Each role builds its model
 from the config inside its own process, so nothing large crosses the controller. The math lives
 elsewhere: policy-gradient and flow-matching updates in `diffrl.train.engine`, the forward-process
 losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FLOPs accounting in
@@ -16,7 +17,7 @@ losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FL
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -223,24 +224,6 @@ class RolloutWorker:
             self._weight_sync.close()
             self._weight_sync = None
 
-    @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy (name, tensor) pairs into the transformer; returns how many were loaded.
-
-        Names are the actor's parameter names; an unknown name is an error (a model mismatch must
-        not pass silently).
-        """
-        params = dict(self.adapter.transformer.named_parameters())
-        count = 0
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(
-                    f"weight {name!r} does not exist in the rollout model: actor and rollout differ"
-                )
-            params[name].copy_(tensor)
-            count += 1
-        return count
-
 
 def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
     import hashlib
@@ -437,12 +420,6 @@ class ActorWorker:
 
     def export_lora(self, out_dir: str) -> str:
         return str(self.engine.export_lora(Path(out_dir)))
-
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of what the rollout side needs: the trained adapter, or all weights."""
-        from diffrl.train.export import iter_weights
-
-        return iter_weights(self.engine.transformer, adapter_only=self.engine.lora)
 
     def memory(self) -> dict[str, float]:
         """Peak memory since the last call (GPU allocated/reserved, host RSS)."""

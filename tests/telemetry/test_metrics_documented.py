@@ -32,6 +32,11 @@ NOT_IN_THESE_RUNS = {
     "actor/{kl_mask,pos_rm,neg_rm,masked}_fraction": "flow_dppo",
     "actor/approx_kl": "flow_dppo",
     "actor/ratio_{min,max}": "flow_dppo",
+    # separate placement only (tests/controller/test_placement.py logs them)
+    "weight_sync/seconds": "separate",
+    "weight_sync/bytes": "separate",
+    "weight_sync/tensors": "separate",
+    "weight_sync/full": "separate",
 }
 
 PG = [

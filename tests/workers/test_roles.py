@@ -2,9 +2,8 @@ import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.rollout import TrajectorySampler
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
-from diffrl.workers.roles import ActorWorker, HybridWorker, RolloutWorker
+from diffrl.workers.roles import HybridWorker
 
 PROMPTS = ["a red circle", "a blue square"]
 
@@ -50,18 +49,3 @@ def test_hybrid_worker_samples_with_the_weights_it_just_trained(cfg):
     after = hybrid.sample(PROMPTS, seed=0, step=0)  # same seed, new weights, no copy in between
     assert not torch.equal(after.samples.final_latents, first.samples.final_latents)
     assert hybrid.rollout.adapter is hybrid.engine.adapter
-
-
-def test_weights_streamed_from_the_actor_make_a_separate_rollout_worker_sample_its_policy(cfg):
-    actor, rollout_worker = ActorWorker(cfg), RolloutWorker(cfg)
-    update(actor, rollout_worker.sample(PROMPTS, seed=1, step=0))
-    before = rollout_worker.sample(PROMPTS, seed=2, step=0)
-    assert rollout_worker.load_weights(actor.export_weights()) > 0
-    after = rollout_worker.sample(PROMPTS, seed=2, step=0)
-    on_actor = TrajectorySampler(actor.engine.adapter, cfg.rollout, progress=False).sample(
-        PROMPTS, seed=2, step=0
-    )
-    assert torch.equal(after.samples.final_latents, on_actor.samples.final_latents)
-    assert not torch.equal(before.samples.final_latents, on_actor.samples.final_latents)
-    with pytest.raises(KeyError, match="does not exist in the rollout model"):
-        rollout_worker.load_weights([("not.a.weight", torch.zeros(1))])
