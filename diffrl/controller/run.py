@@ -343,7 +343,7 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     started_ray, workers, rewards = False, None, None
     roles = worker_options(cfg)
     threads = plan_threads(world, cfg.reward.workers if use_ray else 0, ray=use_ray)
-    set_threads(threads.driver)  # diffrl/workers/threads.py: every process's share of the cores
+    restore_threads = set_threads(threads.driver)  # diffrl/workers/threads.py: every process's share
     try:
         with progress(f"starting {world} worker(s) and loading {cfg.model.path}"):
             if use_ray:
@@ -378,6 +378,7 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
             import ray
 
             ray.shutdown()
+        restore_threads()
 
 
 @contextmanager
@@ -401,7 +402,7 @@ def _separate_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
     world, replicas = cfg.world_size, cfg.rollout.replicas
     has_gpu = torch.cuda.is_available()
     threads = plan_threads(world + replicas, cfg.reward.workers, ray=True)
-    set_threads(threads.driver)
+    restore_threads = set_threads(threads.driver)
     started_ray, trainer, rollout, placement, rewards = False, None, None, None, None
     roles = worker_options(cfg)
     try:
@@ -450,6 +451,7 @@ def _separate_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
             import ray
 
             ray.shutdown()
+        restore_threads()
 
 
 def _lock(run_dir: Path) -> int:

@@ -10,7 +10,7 @@ split once, from the cores it is allowed to run on (`os.sched_getaffinity`, whic
 process gets its share:
 
     plan = plan_threads(workers=2, reward_workers=1, ray=True)   # ThreadPlan(driver=1, worker=.., reward=..)
-    set_threads(plan.driver)                                     # this process (and what it spawns)
+    restore = set_threads(plan.driver)                           # this process (and what it spawns)
     RayGroup(..., env_vars=thread_env(plan.worker))              # each Ray worker
     RayRewardWorkers(..., env_vars=thread_env(plan.reward))      # each reward actor
 
@@ -27,6 +27,7 @@ processes, the least it can be.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: The variables that size a process's compute thread pools: OpenMP (torch's intra-op pool, and
@@ -103,13 +104,27 @@ def thread_env(threads: int) -> dict[str, str]:
     return dict.fromkeys(THREAD_ENV_VARS, str(threads))
 
 
-def set_threads(threads: int) -> None:
+def set_threads(threads: int) -> Callable[[], None]:
     """Size this process's torch pool now, and the pools of processes it starts from here on
-    (they inherit the environment)."""
+    (they inherit the environment). Returns what undoes it: a job restores the previous sizes
+    when it ends, so a second job in the same process does not read this job's OMP_NUM_THREADS
+    as a cap the user set."""
     import torch
 
+    saved_env = {key: os.environ.get(key) for key in THREAD_ENV_VARS}
+    saved_threads = torch.get_num_threads()
     os.environ.update(thread_env(threads))
     torch.set_num_threads(threads)
+
+    def restore() -> None:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(saved_threads)
+
+    return restore
 
 
 __all__ = [

@@ -84,11 +84,15 @@ def test_set_threads_sizes_this_process(monkeypatch):
     before = torch.get_num_threads()
     for key in THREAD_ENV_VARS:
         monkeypatch.delenv(key, raising=False)
+    restore = set_threads(1)
     try:
-        set_threads(1)
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
     finally:
-        torch.set_num_threads(before)
+        restore()
+    # a second job in this process must not read the first one's sizes as the user's cap
+    assert torch.get_num_threads() == before
+    assert all(key not in os.environ for key in THREAD_ENV_VARS)
+    assert thread_budget() == available_cores()
 
 
 def test_process_tree_threads_fit_the_cores(monkeypatch):
