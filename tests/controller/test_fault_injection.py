@@ -35,7 +35,18 @@ ZYGOTE = textwrap.dedent(
     import json, os, signal, sys, time
     import diffrl.cli, diffrl.controller.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
 
+    def log_processes():
+        # The run's processes (Ray's GCS, raylet, its agents and workers descend from the driver)
+        # for the test to check they are gone: Ray sets its processes' titles over their argv and
+        # environment, so the environment tag the test looks for may no longer be readable there.
+        import psutil
+
+        tree = [[p.pid, p.create_time()] for p in psutil.Process().children(recursive=True)]
+        sys.stderr.write(f"fault: processes {json.dumps(tree)}\\n")
+        sys.stderr.flush()
+
     def die():
+        log_processes()
         os.kill(os.getpid(), signal.SIGKILL)
 
     def hook(kill):
@@ -82,6 +93,7 @@ ZYGOTE = textwrap.dedent(
         original_step, original_rollout = PolicyGradientTrainer.train_step, PolicyGradientTrainer.rollout_for_step
 
         def kill():
+            log_processes()
             os.kill(pids[0], signal.SIGKILL)
             # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
             sys.stderr.write(f"fault: worker killed at {time.monotonic()}\\n")
@@ -211,6 +223,41 @@ def _tagged_processes(tag: str) -> list[int]:
     return found
 
 
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()[:200]
+    except OSError:
+        return "(gone)"
+
+
+def _run_processes(tag: str, log: str) -> dict[int, str]:
+    """The live processes of a killed run, by PID with their command: those carrying `tag` in
+    their environment, and those the run's last kill point listed (`fault: processes`) that still
+    exist (same PID and start time, so not a reused PID)."""
+    import psutil
+
+    found = set(_tagged_processes(tag))
+    listed = re.findall(r"fault: processes (\[.*\])", log)
+    for pid, started in json.loads(listed[-1]) if listed else []:
+        try:
+            if psutil.Process(pid).create_time() == started:
+                found.add(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return {pid: _command(pid) for pid in sorted(found)}
+
+
+def _wait_gone(tag: str, log: str, seconds: float, ignore: tuple[str, ...] = ()) -> dict[int, str]:
+    """`_run_processes` after waiting up to `seconds` for them to end (those whose command starts
+    with one of `ignore` aside)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = {pid: cmd for pid, cmd in _run_processes(tag, log).items() if not cmd.startswith(ignore)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize(
     ("kill", "message"),
     [
@@ -223,6 +270,7 @@ def _tagged_processes(tag: str) -> list[int]:
 )
 def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
     tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+    earlier = len(zygote.log.read_text())  # the log holds the module's earlier runs too
     code = zygote(
         [
             "train",
@@ -238,17 +286,16 @@ def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
         env={tag: "1"},
     )
     ended = time.monotonic()
-    log = zygote.log.read_text()
+    log = zygote.log.read_text()[earlier:]
     assert code == 1
     assert re.search(message, log), log[-3000:]
     # The bound is on noticing the death, not on starting Ray and the workers (load-dependent).
     killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
     assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
-    deadline = time.monotonic() + 20
-    while _tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _tagged_processes(tag) == [], "processes of the failed run were left behind"
+    assert _wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
 
+
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 # Separate placement, one step off: trainer rank(s), rollout replicas and reward workers are each
 # their own Ray actors, and the next batch's requests stream to the replicas from a driver thread.
@@ -288,6 +335,7 @@ SEPARATE = [
 )
 def test_a_dead_actor_ends_a_one_step_off_run_naming_it(zygote, tmp_path, kill, message):
     tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+    earlier = len(zygote.log.read_text())  # the log holds the module's earlier runs too
     code = zygote(
         [
             "train",
@@ -303,14 +351,63 @@ def test_a_dead_actor_ends_a_one_step_off_run_naming_it(zygote, tmp_path, kill, 
         env={tag: "1"},
     )
     ended = time.monotonic()
-    log = zygote.log.read_text()
+    log = zygote.log.read_text()[earlier:]
     assert code == 1, log[-3000:]
     found = re.search(message, log)
     assert found, log[-3000:]
     killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
-    print(f"\n{kill['at']}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
+    print(f"\n{kill}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
     assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
-    deadline = time.monotonic() + 20
-    while _tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _tagged_processes(tag) == [], "processes of the failed run were left behind"
+    assert _wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
+
+
+def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupted_run(zygote, tmp_path):
+    """Checkpoints at steps 2 and 4: step 3 samples its own batch and starts step 4's, step 4
+    trains on that in-flight batch. A kill in step 3 and another in step 4 (the in-flight batch
+    lost with the driver) resume from step 2 and log what the uninterrupted run logged."""
+    start = time.monotonic()
+    train = [
+        "train",
+        *ARGS,
+        *SEPARATE,
+        "trainer.save_freq=2",
+        "trainer.total_steps=4",
+        "trainer.resume=auto",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    assert zygote([*train, "trainer.run_name=full"]) == 0, zygote.log.read_text()[-3000:]
+    killed = [*train, "trainer.run_name=killed"]
+    # the driver's update of a step (the trainer ranks step the optimizer in their own processes)
+    kills = []
+    for call in (3, 2):  # step 3 of the first run; step 4 of the run resumed at step 2
+        tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+        assert zygote(killed, {"at": "driver_update", "call": call}, env={tag: "1"}) == -9
+        kills.append((tag, zygote.log.read_text(), time.monotonic()))
+        # Ray's GCS and raylet share the driver's fate, and the workers the raylet's. Its dashboard
+        # and runtime-env agents see the raylet die at once but first report that to the GCS,
+        # which is gone too: they exit when that call times out (Ray's, about a minute).
+        left = _wait_gone(tag, kills[-1][1], 20, ignore=RAY_AGENTS)
+        assert left == {}, f"the killed driver left processes (kill at update {call}): {left}"
+    run_dir = tmp_path / "killed"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+    assert zygote(killed) == 0, zygote.log.read_text()[-3000:]
+    expected, got = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
+    lines = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4]
+    # one step off from step 2 on, also in the resumed steps: step 4 trained on a batch step 3 sampled
+    assert [got[step]["rollout/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    for step in (1, 2, 3, 4):
+        # weight_sync/* records the transfer, not the weights: the resumed run's first sync (the
+        # checkpoint's weights, all tensors) happens at the resume, the uninterrupted run's step 3
+        # sends its adapters only
+        assert {k: v for k, v in comparable(got[step]).items() if not k.startswith("weight_sync/")} == (
+            pytest.approx(
+                {k: v for k, v in comparable(expected[step]).items() if not k.startswith("weight_sync/")},
+                rel=1e-6,
+                abs=1e-9,
+            )
+        ), step
+    for tag, log, killed_at in kills:
+        left = _wait_gone(tag, log, killed_at + 120 - time.monotonic())
+        assert left == {}, f"Ray's processes outlived the killed driver by 120 s: {left}"
+    print(f"\nkill -9 and resume, one_step_off: {time.monotonic() - start:.0f} s")
