@@ -116,7 +116,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         with self.timer.phase("gen"):
             _, rollout, sampling_metrics = self.rollout_for_step(self.sampling_policy)
         with self.timer.phase("reward"):
-            scores = gather_rewards(rollout.extras.pop("reward_handles"))
+            scores = gather_rewards(rollout.extras.pop("reward_handles"), self.cfg.trainer.worker_timeout_s)
         sample_uids = rollout.sample_uids()
         metrics = scores.metrics(sample_uids)
         metrics.update(sampling_metrics)

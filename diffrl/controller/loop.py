@@ -79,6 +79,7 @@ class TrainingLoop:
         # one_step_off: the next step's prompts and their rollout, sampling while this step trains
         self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
+        self.resume_sync_metrics: dict[str, float] = {}
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -92,14 +93,15 @@ class TrainingLoop:
         extra = self.workers.call("load", str(checkpoint))[0]
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["data"])
-        self.placement.sync_weights(self.step, full=True)
+        # the replicas' first sync (every tensor), logged with the first step after the resume
+        self.resume_sync_metrics = self.placement.sync_weights(self.step, full=True)
         print(f"resumed from {checkpoint} at step {self.step}")
 
     # ------------------------------------------------------------------------------ sampling
     def rollout_for_step(self, policy: str = POLICY) -> tuple[list[PromptRecord], Rollout, dict[str, float]]:
         """This step's prompts, their rollout (reward handles in extras) and the sampling metrics
         (weight versions, staleness, weight-sync cost); see the module docstring for one_step_off."""
-        metrics: dict[str, float] = {}
+        metrics, self.resume_sync_metrics = self.resume_sync_metrics, {}
         if self.next_batch is None:
             records = [record for _, record in self.sampler.next_batch()]
             metrics.update(self.placement.sync_weights(self.step - 1))

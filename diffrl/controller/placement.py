@@ -38,8 +38,8 @@ from diffrl.workers.group import (
     WorkerError,
     WorkerFuture,
     WorkerGroup,
-    _log_tail,
     gather,
+    log_tail,
     wait_any,
     wait_done,
 )
@@ -102,7 +102,7 @@ class _ScoredFor:
                 f"{self.method} (the reward scores it submitted were not fetched yet)",
                 err,
                 identity=self.identity,
-                log_tail=None if self.identity is None else _log_tail(self.identity),
+                log_tail=None if self.identity is None else log_tail(self.identity),
             ) from err
 
     def done(self) -> bool:

@@ -68,7 +68,7 @@ class PolicyGradientTrainer(TrainingLoop):
         with self.timer.phase("gen"):
             _, rollout, sampling_metrics = self.rollout_for_step()
         with self.timer.phase("reward"):
-            scores = gather_rewards(rollout.extras.pop("reward_handles"))
+            scores = gather_rewards(rollout.extras.pop("reward_handles"), self.cfg.trainer.worker_timeout_s)
         metrics = scores.metrics(rollout.sample_uids())
         metrics.update(sampling_metrics)
         advantages = self.estimator(scores.total_B, rollout.sample_uids(), cfg.algorithm)

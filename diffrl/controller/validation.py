@@ -67,7 +67,7 @@ def run_validation(
         handles = rollout.extras.pop("reward_handles")
         keep = len(records) * n
         rollout = rollout.select(slice(0, keep))
-        scores = gather_rewards(handles).select(slice(0, keep))
+        scores = gather_rewards(handles, cfg.trainer.worker_timeout_s).select(slice(0, keep))
     metrics = {f"val/{key}": value for key, value in scores.metrics(rollout.sample_uids()).items()}
     sources = [m.get("data_source", "default") for m in rollout.sample_metadata()]
     scalar_extras = {key: value for key, value in scores.extras.items() if value.ndim == 1}

@@ -26,6 +26,7 @@ the reward worker, as its own workers do, not Ray's raw `ActorDiedError`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,7 +34,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardSpec, reward_specs
-from diffrl.workers.group import WorkerError
+from diffrl.workers.group import WorkerError, WorkerIdentity, learn_identities, log_tail
+
+#: Seconds the reward actors may take to load their models before the run gives up on them.
+READY_TIMEOUT_S = 900.0
 
 if TYPE_CHECKING:
     from diffrl.config.schema import RewardConfig
@@ -65,8 +69,15 @@ class RewardWorkers(Protocol):
 
 
 def gather(handles: Sequence[RewardHandle], timeout: float | None = None) -> RewardBatch:
-    """Wait for every handle and join their micro-batches in submission order."""
-    return RewardBatch.concat([handle.result(timeout) for handle in handles])
+    """Wait for every handle (all of them within `timeout` seconds, then TimeoutError) and join
+    their micro-batches in submission order."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return RewardBatch.concat(
+        [
+            handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for handle in handles
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------ in process
@@ -149,22 +160,30 @@ class RewardWorker:
         return self.reward(pixels, prompts, metadata)
 
 
-def _died(err: Exception, index: int, size: int, method: str) -> WorkerError:
-    return WorkerError(index, size, f"RewardWorker.{method}", err)
+def _died(
+    err: Exception, index: int, size: int, method: str, identity: WorkerIdentity | None = None
+) -> WorkerError:
+    """The error of a reward actor that died: where it ran and its last log lines, when known."""
+    tail = None if identity is None else log_tail(identity)
+    return WorkerError(index, size, f"RewardWorker.{method}", err, identity=identity, log_tail=tail)
 
 
 class _RayHandle:
-    def __init__(self, ref: Any, index: int, size: int) -> None:
+    def __init__(self, ref: Any, index: int, size: int, identity: WorkerIdentity | None = None) -> None:
         self.ref = ref  # a ray.ObjectRef of the RewardBatch
         self.index, self.size = index, size  # which reward worker scores it
+        self.identity = identity
 
     def result(self, timeout: float | None = None) -> RewardBatch:
         import ray
 
         try:
             return ray.get(self.ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            where = self.identity or f"reward worker {self.index}"
+            raise TimeoutError(f"{where} did not score a micro-batch within {timeout:g} s") from None
         except ray.exceptions.RayActorError as err:
-            raise _died(err, self.index, self.size, "score") from err
+            raise _died(err, self.index, self.size, "score", self.identity) from err
 
     def done(self) -> bool:
         import ray
@@ -204,11 +223,18 @@ class RayRewardWorkers:
         self.actors = [actor_class.remote(specs) for _ in range(workers)]
         # Wait for model loading so a missing file fails here, not at the first micro-batch.
         try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
             for index, ref in enumerate([actor.ready.remote() for actor in self.actors]):
                 try:
-                    ray.get(ref)
+                    ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(
+                        f"reward worker {index} did not load its reward models within {READY_TIMEOUT_S:g} s"
+                    ) from None
                 except ray.exceptions.RayActorError as err:
                     raise _died(err, index, workers, "__init__") from err
+            # where each actor runs, so a death later names its node, PID and last log lines
+            self.identities = learn_identities(self.actors, "RewardWorker", timeout_s=60.0)
         except Exception:
             self.close()
             raise
@@ -224,7 +250,7 @@ class RayRewardWorkers:
         self._submitted += 1
         rows = None if metadata is None else [dict(row) for row in metadata]
         ref = self.actors[index].score.remote(pixels.detach().cpu(), list(prompts), rows)
-        return _RayHandle(ref, index, len(self.actors))
+        return _RayHandle(ref, index, len(self.actors), self.identities[index])
 
     def close(self) -> None:
         import ray

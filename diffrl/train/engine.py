@@ -233,14 +233,29 @@ class TrainEngine:
             d.mul_(decay).add_(s, alpha=1.0 - decay)
 
     # ------------------------------------------------------------------------------ updates
-    def accumulate(self, terms: Sequence[GradientTerm], *, metrics_divisor: float = 1.0) -> dict[str, float]:
+    def accumulate(
+        self,
+        terms: Sequence[GradientTerm],
+        *,
+        metrics_divisor: float = 1.0,
+        padding: Callable[[], tuple[torch.Tensor, dict[str, float]]] | None = None,
+    ) -> dict[str, float]:
         """Accumulate the gradient of one worker's share of an optimizer step: every algorithm's
         backward passes go through here.
 
         The gradient is Σ grad_scale · ∇loss over the terms; under FSDP2 it is reduced across ranks
         only after the last backward. Returns Σ metric_weight · metric / metrics_divisor for the
         loss and each metric a term reports (terms with metric_weight None are not counted).
+
+        Under FSDP2 every forward and backward is a collective (all-gathers, the last backward's
+        reduce-scatter), so all ranks must run as many terms: a rank with fewer would wait for its
+        peers until the process group times out. The ranks therefore agree on the largest count
+        (one all-reduce of one integer) and each pads its list with `padding` (default: its first
+        term's forward) at grad_scale 0 and metric_weight None: a forward and backward over real
+        data, so every collective happens, adding an exact zero to the gradient and nothing to
+        the metrics.
         """
+        terms = self._pad_to_peers(terms, padding)
         sums: dict[str, float] = defaultdict(float)
         for index, term in enumerate(terms):
             self._sync_gradients(index == len(terms) - 1)
@@ -256,7 +271,9 @@ class TrainEngine:
     def forward_backward(
         self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
     ) -> dict[str, float]:
-        """Accumulate the policy-gradient loss of one mini-batch; returns metrics averaged over its terms.
+        """Accumulate the policy-gradient loss of one mini-batch; returns its metrics, weighted as the
+        gradient is (the mean over micro-batches of the mean over their (sample, trained step) pairs)
+        and averaged over ranks.
 
         Each micro-batch is a rollout slice with its training targets (`PolicyGradientBatch`): the
         advantages; old log-probs default to the rollout's own (same weights, same math), or the
@@ -264,8 +281,9 @@ class TrainEngine:
         `means`; KL needs `ref_means`. `weights_BW` (rollout correction) multiplies each sample's
         term. `train_mask_BW` (DanceGRPO's per-sample step subsets) restricts each window step to
         the samples that train it: every sample then trains K of the W steps, and the gradient is
-        normalised by K, so its scale does not depend on the fraction. `window_steps` selects the
-        trained steps (all by default).
+        normalised by K, so its scale does not depend on the fraction. Ranks whose masks give them
+        fewer (micro-batch, step) terms pad up to their peers' count (`accumulate`), so FSDP2's
+        collectives pair up. `window_steps` selects the trained steps (all by default).
         """
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
@@ -286,8 +304,16 @@ class TrainEngine:
                 if rows is not None and not len(rows):
                     continue
                 part = mb if rows is None else mb.select(rows)
-                terms.append(GradientTerm(partial(self._step_loss, part, j), len(part) * norm))
-        return self._reduce(self.accumulate(terms, metrics_divisor=len(terms)))
+                if not terms:
+                    first_part, first_step = part, j
+                share = len(part) * norm
+                # metrics weighted as the gradient is: the mean over (sample, trained step) pairs
+                terms.append(GradientTerm(partial(self._step_loss, part, j), share, metric_weight=share))
+        # With step subsets (DanceGRPO) ranks can have different numbers of terms: a peer with more
+        # gets padding, the smallest real computation there is (one sample at a step it trains).
+        padding = partial(self._step_loss, first_part.select(slice(0, 1)), first_step)
+        metrics = self.accumulate(terms, metrics_divisor=sum(t.metric_weight for t in terms), padding=padding)
+        return self._reduce(metrics)
 
     def _step_loss(self, mb: PolicyGradientBatch, j: int) -> tuple[torch.Tensor, dict]:
         """The policy loss (+ KL) of window step j on micro-batch `mb`, averaged over its samples."""
@@ -400,9 +426,34 @@ class TrainEngine:
         return Path(out_dir)
 
     # ------------------------------------------------------------------------------ internals
+    def _pad_to_peers(
+        self,
+        terms: Sequence[GradientTerm],
+        padding: Callable[[], tuple[torch.Tensor, dict[str, float]]] | None,
+    ) -> list[GradientTerm]:
+        """`terms`, plus zero-weight padding up to the largest count of any rank (see `accumulate`)."""
+        terms = list(terms)
+        if not (self._sharded and torch.distributed.is_initialized()):
+            return terms
+        from diffrl.train.distributed import _collective_device
+
+        count = torch.tensor([len(terms)], dtype=torch.int64, device=_collective_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        missing = int(count) - len(terms)
+        if missing and padding is None:
+            if not terms:
+                raise ValueError("this rank has no gradient terms to pad with: pass `padding`")
+            padding = terms[0].forward
+        return terms + [GradientTerm(padding, 0.0, metric_weight=None)] * missing
+
+    @property
+    def _sharded(self) -> bool:
+        """Whether the transformer is an FSDP2 module (its forwards and backwards are collective)."""
+        return hasattr(self.transformer, "set_requires_gradient_sync")
+
     def _sync_gradients(self, last: bool) -> None:
         """Under FSDP2 reduce gradients only after the mini-batch's last backward."""
-        if hasattr(self.transformer, "set_requires_gradient_sync"):
+        if self._sharded:
             self.transformer.set_requires_gradient_sync(last)
 
     @staticmethod

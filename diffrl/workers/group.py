@@ -247,7 +247,7 @@ def _remote_tails(identity: WorkerIdentity, lines: int, timeout: float) -> dict[
         return {}
 
 
-def _log_tail(identity: WorkerIdentity, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(identity: WorkerIdentity, lines: int = LOG_TAIL_LINES) -> str:
     """The last lines a worker wrote to each of its log files, or where those files are."""
     if not identity.log_files:
         return (
@@ -348,9 +348,9 @@ class RayFuture(WorkerFuture):
             raise _worker_error_from_ray(err, self.rank, self.size, self.method) from err.cause
         except ray.exceptions.RayActorError as err:
             # ActorDiedError, ActorUnavailableError: the process, not the method, failed.
-            log_tail = None if self.identity is None else _log_tail(self.identity)
+            tail = None if self.identity is None else log_tail(self.identity)
             raise WorkerError(
-                self.rank, self.size, self.method, err, identity=self.identity, log_tail=log_tail
+                self.rank, self.size, self.method, err, identity=self.identity, log_tail=tail
             ) from err
 
     def done(self) -> bool:
@@ -462,7 +462,7 @@ def _timeout_error(
         if identity is None or identity in seen:
             continue
         seen.add(identity)
-        message += f"\n\n{identity} is still running {future.method}.\n{_log_tail(identity, 10)}"
+        message += f"\n\n{identity} is still running {future.method}.\n{log_tail(identity, 10)}"
     return TimeoutError(message)
 
 
@@ -981,16 +981,7 @@ class RayGroup(WorkerGroup):
         return RayFuture(ref, rank, self.size, f"{self.cls.__name__}.{method}", self.identities[rank])
 
     def _learn_identities(self, timeout_s: float) -> list[WorkerIdentity]:
-        """Ask every actor where it runs (one round trip), for failure messages that can name it."""
-        label = f"{self.cls.__name__}.__ray_call__"
-        futures = [
-            RayFuture(actor.__ray_call__.remote(_actor_identity), rank, self.size, label)
-            for rank, actor in enumerate(self.actors)
-        ]
-        return [
-            WorkerIdentity(rank, self.cls.__name__, node_ip, node_id, pid, log_files)
-            for rank, (node_ip, node_id, pid, log_files) in enumerate(gather(futures, timeout=timeout_s))
-        ]
+        return learn_identities(self.actors, self.cls.__name__, timeout_s)
 
     def shutdown(self) -> None:
         """Kill the actors (at once, running calls included) and remove our placement group."""
@@ -1003,6 +994,19 @@ class RayGroup(WorkerGroup):
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
         self._closed = True
+
+
+def learn_identities(actors: Sequence[Any], cls_name: str, timeout_s: float) -> list[WorkerIdentity]:
+    """Ask every Ray actor where it runs (one round trip), for failure messages that can name it."""
+    label = f"{cls_name}.__ray_call__"
+    futures = [
+        RayFuture(actor.__ray_call__.remote(_actor_identity), rank, len(actors), label)
+        for rank, actor in enumerate(actors)
+    ]
+    return [
+        WorkerIdentity(rank, cls_name, node_ip, node_id, pid, log_files)
+        for rank, (node_ip, node_id, pid, log_files) in enumerate(gather(futures, timeout=timeout_s))
+    ]
 
 
 def _per_rank_env_vars(

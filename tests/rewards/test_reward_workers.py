@@ -1,5 +1,6 @@
 """Reward workers: submit returns at once, results come back in order; Ray actors match in-process."""
 
+import os
 import time
 
 import pytest
@@ -41,6 +42,12 @@ def test_in_process_submit_overlaps_and_gathers_in_order():
         assert time.perf_counter() - start < 0.2  # returned before the 2 x 0.3 s of scoring
         assert not handles[1].done()
         step = gather(handles)
+        # the deadline is for the whole gather, not each handle: 2 x 0.3 s of scoring > 0.45 s
+        late = [workers.submit(*mb) for mb in _micro_batches()]
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            gather(late, timeout=0.45)
+        assert time.perf_counter() - start < 0.55
     expected = _expected()
     torch.testing.assert_close(step.scores["jpeg_compressibility"], expected.scores["jpeg_compressibility"])
     torch.testing.assert_close(step.total_B, expected.total_B)
@@ -81,6 +88,9 @@ def test_ray_workers_match_in_process_scores():
         )
         workers = create_reward_workers(cfg, use_ray=True)
         assert isinstance(workers, RayRewardWorkers) and len(workers.actors) == 2
+        # where each runs, for the message naming one that dies
+        pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in workers.actors], timeout=60)
+        assert [i.pid for i in workers.identities] == pids
         handles = [workers.submit(*mb) for mb in _micro_batches()]
         step = gather(handles, timeout=60)
         assert all(h.done() for h in handles)

@@ -20,7 +20,7 @@ import ray
 import ray.cloudpickle
 
 from diffrl.workers import InProcessGroup, RayGroup, WorkerError, WorkerIdentity, gather, wait_any
-from diffrl.workers.group import _log_tail, _read_tails, _remote_tails
+from diffrl.workers.group import _read_tails, _remote_tails, log_tail
 
 # Ray's workers do not have tests/workers on their path: send this module's classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -202,7 +202,7 @@ def test_wait_any_on_ray_and_mixed_futures(ray_cluster):
             local.shutdown()
 
 
-def test_log_tails_from_another_node_or_nowhere(ray_cluster, tmp_path):
+def testlog_tails_from_another_node_or_nowhere(ray_cluster, tmp_path):
     node_id = ray.get_runtime_context().get_node_id()
     log = tmp_path / "worker-abc-01000000-123.err"
     log.write_text(":job_id:01000000\n:actor_name:Fragile\n" + "".join(f"line {i}\n" for i in range(30)))
@@ -215,7 +215,5 @@ def test_log_tails_from_another_node_or_nowhere(ray_cluster, tmp_path):
     # A node that is not in the cluster: say where the file is, within the remote read's deadline.
     gone = WorkerIdentity(0, "Fragile", "10.0.0.7", "ab" * 28, 123, ("/nonexistent/worker-x.out",))
     start = time.monotonic()
-    assert (
-        _log_tail(gone) == "Its log /nonexistent/worker-x.out is on node 10.0.0.7 (not readable from here)."
-    )
+    assert log_tail(gone) == "Its log /nonexistent/worker-x.out is on node 10.0.0.7 (not readable from here)."
     assert time.monotonic() - start < 10.0
