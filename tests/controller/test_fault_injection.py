@@ -265,7 +265,10 @@ def _wait_gone(tag: str, log: str, seconds: float, ignore: tuple[str, ...] = ())
             "actor",
             r"HybridWorker rank 1 \(of 2\) on node \S+ \(pid \d+\) died during HybridWorker\.\w+: \w*Actor",
         ),
-        ("reward", r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died during RewardWorker\.score: \w*Actor"),
+        (
+            "reward",
+            r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died during RewardWorker\.score: \w*Actor",
+        ),
     ],
 )
 def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
