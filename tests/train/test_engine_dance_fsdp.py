@@ -1,0 +1,201 @@
+"""DanceGRPO step subsets under FSDP2 (2 gloo processes on the CPU): ranks with different numbers of
+(micro-batch, window step) terms must neither hang nor change the update.
+
+Each sample trains K = 1 of the W = 2 window steps (`train_mask_BW`). On rank 0 every micro-batch
+holds samples of both steps (two terms each); on rank 1 each micro-batch trains one step (one term
+each). Without padding rank 1 would reach its gradient reduce-scatter while rank 0 still gathers
+parameters for its third forward, and both would wait for each other. The reference is the same
+mini-batch (both ranks' micro-batches) trained in this process on one device without FSDP: FSDP
+averages the two ranks' gradients, which equals that gradient, so gradients and metrics must agree
+within float32 round-off.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from diffrl.config.schema import (
+    ActorConfig,
+    LoraConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    RolloutConfig,
+    SdeConfig,
+)
+from diffrl.models import load_model
+from diffrl.rollout import TrajectorySampler
+from diffrl.train import distributed
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
+from diffrl.train.engine import POLICY, TrainEngine
+
+WORLD = 2
+MICRO = 2
+# A hang fails the test: gloo's collective timeout raises on the ranks, and the ranks are killed
+# if they are still running at the step deadline.
+START_DEADLINE_S = 120.0
+STEP_DEADLINE_S = 60.0
+PG_TIMEOUT_S = 30
+PROMPTS = ["a red circle", "a blue square"]
+# Rows 0-3 are rank 0's two micro-batches, rows 4-7 rank 1's. True = the sample trains that step.
+RANK0_MASK = [[True, False], [False, True], [False, True], [True, False]]
+RANK1_MASK = [[True, False], [True, False], [False, True], [False, True]]
+MASK = torch.tensor([*RANK0_MASK, *RANK1_MASK])
+REAL_TERMS = (4, 2)  # (micro-batch, step) pairs with at least one sample, per rank
+
+
+def configs(strategy: str) -> tuple[ModelConfig, ActorConfig]:
+    model_cfg = ModelConfig(lora=LoraConfig(rank=4, alpha=4))
+    actor_cfg = ActorConfig(
+        strategy=strategy,
+        mini_batch_size=8,
+        micro_batch_size=MICRO,
+        optim=OptimConfig(lr=1e-3, weight_decay=0.0),
+        loss=LossConfig(clip_ratio=2e-4, kl_coef=0.0),
+    )
+    return model_cfg, actor_cfg
+
+
+def engine_for(model_dir: str, strategy: str) -> TrainEngine:
+    """An engine whose trained LoRA is perturbed the same way sharded or not (B ≠ 0, so every LoRA
+    tensor gets a gradient, and the policy differs from the rollout's: ratios leave 1)."""
+    engine = TrainEngine(load_model(model_dir, dtype="float32"), *configs(strategy), total_optim_steps=1)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in engine.transformer.named_parameters():
+            if f".{POLICY}." in name:
+                delta = 0.05 * torch.randn(p.shape, generator=g)
+                if isinstance(p, DTensor):
+                    delta = distribute_tensor(delta, p.device_mesh, p.placements)
+                p.add_(delta)
+    return engine
+
+
+def step(engine: TrainEngine, micro_batches: list[PolicyGradientBatch]):
+    """One forward_backward: (metrics, full gradients, batch size of every evaluated term)."""
+    sizes = []
+    step_loss = engine._step_loss
+
+    def counted(mb, j):
+        sizes.append(len(mb))
+        return step_loss(mb, j)
+
+    engine._step_loss = counted  # partial(self._step_loss, ...) looks the instance attribute up
+    metrics = engine.forward_backward(micro_batches)
+    grads = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for name, p in engine.transformer.named_parameters()
+        if p.requires_grad
+    }
+    return metrics, grads, sizes
+
+
+def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    distributed.init_distributed("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    Path(out_dir, f"joined{rank}").touch()
+    try:
+        engine = engine_for(model_dir, "fsdp2")
+        metrics, grads, sizes = step(engine, shards[rank])
+        torch.save(
+            {"metrics": metrics, "grads": grads, "sizes": sizes}, os.path.join(out_dir, f"rank{rank}.pt")
+        )
+    finally:
+        distributed.shutdown_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_with_deadline(args: tuple, out_dir: Path) -> None:
+    """Run `_worker` on WORLD processes; kill them and fail if they hang.
+
+    Two deadlines: the start (process spawn, imports, rendezvous: slow on a loaded machine) and
+    the training step, timed from the moment every rank has joined the process group.
+    """
+    context = mp.spawn(_worker, args=args, nprocs=WORLD, join=False)
+    deadline, phase = time.monotonic() + START_DEADLINE_S, "start"
+    while not context.join(timeout=0.5):
+        if phase == "start" and all((out_dir / f"joined{r}").exists() for r in range(WORLD)):
+            deadline, phase = time.monotonic() + STEP_DEADLINE_S, "step"
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join(10)
+            limit = START_DEADLINE_S if phase == "start" else STEP_DEADLINE_S
+            pytest.fail(f"the 2-rank DanceGRPO {phase} did not finish within {limit:.0f} s: the ranks hang")
+
+
+@pytest.fixture(scope="module")
+def micro_batches(tiny_model) -> list[PolicyGradientBatch]:
+    """A rollout of the base policy, its advantages and the step mask, cut into 4 micro-batches."""
+    adapter = load_model(tiny_model("sd3"), dtype="float32")
+    rollout_cfg = RolloutConfig(
+        n=4,
+        micro_batch_size=4,
+        pipeline=PipelineConfig(
+            height=32, width=32, num_inference_steps=4, guidance_scale=4.5, max_sequence_length=8
+        ),
+        sde=SdeConfig(noise_level=0.8, window_size=2, window_range=[0, 3]),
+    )
+    rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(PROMPTS, seed=5, step=0)
+    rollout.extras.clear()  # nothing the trainer reads; keeps what is sent to the ranks to tensors
+    targets = TrainingTargets(
+        advantages_B=torch.linspace(-1.0, 1.0, len(rollout)), train_mask_BW=MASK, batch_size=[len(rollout)]
+    )
+    batch = PolicyGradientBatch(rollout, targets)
+    return [batch.select(slice(s, s + MICRO)).compact() for s in range(0, len(batch), MICRO)]
+
+
+def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
+    tiny_model, micro_batches, tmp_path, monkeypatch
+):
+    model_dir = str(tiny_model("sd3"))
+    half = len(micro_batches) // WORLD
+    shards = [micro_batches[:half], micro_batches[half:]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks' FSDP mesh is the CPU, as in CI
+    spawn_with_deadline((_free_port(), model_dir, shards, str(tmp_path)), tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    expected_metrics, expected_grads, single_sizes = step(engine_for(model_dir, "none"), micro_batches)
+    assert len(single_sizes) == sum(REAL_TERMS)  # one process pads nothing
+
+    # Both ranks ran as many forwards; rank 1's extra ones are single-sample padding.
+    assert [len(r["sizes"]) for r in ranks] == [max(REAL_TERMS)] * WORLD
+    assert ranks[0]["sizes"] == [1, 1, 1, 1]  # each micro-batch: one sample per step
+    assert ranks[1]["sizes"] == [2, 2, 1, 1]  # two real terms of 2 samples, two padding terms
+
+    assert 0 < expected_metrics["clipfrac"] < 1  # the clip is active for some terms only
+    for result in ranks:
+        assert result["metrics"].keys() == expected_metrics.keys()
+        for key, value in expected_metrics.items():
+            assert result["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    grads = ranks[0]["grads"]
+    assert grads.keys() == expected_grads.keys() and grads
+    assert max(g.abs().max().item() for g in expected_grads.values()) > 1e-4  # not a trivial agreement
+    for name, expected in expected_grads.items():
+        torch.testing.assert_close(
+            grads[name], expected, rtol=1e-4, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}"
+        )
