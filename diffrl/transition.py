@@ -9,6 +9,7 @@ exactly. Both import this module; neither imports the other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,8 +55,30 @@ class Trajectories:
     sample_index_B: torch.Tensor  # long [B]: index of the sample within its step (its seed key)
 
 
+class PerSample:
+    """Per-sample views of the per-prompt lists (`prompts`, `uids`, `metadata`), through each
+    sample's prompt row."""
+
+    prompts: list[str]
+    uids: list[str]
+    metadata: list[dict[str, Any]]
+
+    def _prompt_index(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sample_uids(self) -> list[str]:
+        """The prompt uid of every sample, for grouping advantages."""
+        return [self.uids[i] for i in self._prompt_index().tolist()]
+
+    def sample_prompts(self) -> list[str]:
+        return [self.prompts[i] for i in self._prompt_index().tolist()]
+
+    def sample_metadata(self) -> list[dict[str, Any]]:
+        return [self.metadata[i] for i in self._prompt_index().tolist()]
+
+
 @dataclass
-class Rollout:
+class Rollout(PerSample):
     """Trajectories of one step plus what they are conditioned on.
 
     Prompt-level data (embeddings, texts, uids, metadata) is stored once per unique prompt (P rows)
@@ -109,19 +132,104 @@ class Rollout:
         """
         return replace(self, samples=self.samples.clone())
 
-    def sample_uids(self) -> list[str]:
-        """The prompt uid of every sample, for grouping advantages."""
-        return [self.uids[i] for i in self.samples.prompt_index_B.tolist()]
+    def _prompt_index(self) -> torch.Tensor:
+        return self.samples.prompt_index_B
 
-    def sample_prompts(self) -> list[str]:
-        return [self.prompts[i] for i in self.samples.prompt_index_B.tolist()]
-
-    def sample_metadata(self) -> list[dict[str, Any]]:
-        return [self.metadata[i] for i in self.samples.prompt_index_B.tolist()]
+    def summary(self) -> RolloutSummary:
+        """What the controller needs of this rollout when its tensors go to the trainer ranks."""
+        return RolloutSummary(
+            prompts=list(self.prompts),
+            uids=list(self.uids),
+            metadata=list(self.metadata),
+            prompt_index_B=self.samples.prompt_index_B.cpu(),
+            sample_index_B=self.samples.sample_index_B.cpu(),
+            log_probs_BW=self.samples.log_probs_BW.cpu(),
+            window_size=self.window_size,
+            extras=dict(self.extras),
+        )
 
     def sample_cond(self) -> PromptEmbeds:
         """One row of prompt embeddings per sample."""
         return self.prompt_embeds[self.samples.prompt_index_B.to(self.prompt_embeds.embeds.device)]
+
+
+@dataclass
+class RolloutSummary(PerSample):
+    """A rollout without its latents, means, pixels or prompt embeddings: what the controller
+    handles (uids for advantages, sample indices for per-sample draws, the sampled log-probs for
+    the mismatch diagnostics, reward handles and weight versions in `extras`) while the tensors
+    travel from the sampler to the trainer ranks (diffrl.controller.placement.StagedRollout)."""
+
+    prompts: list[str]  # [P]
+    uids: list[str]  # [P]
+    metadata: list[dict[str, Any]]  # [P]
+    prompt_index_B: torch.Tensor  # long [B]
+    sample_index_B: torch.Tensor  # long [B]
+    log_probs_BW: torch.Tensor  # fp32 [B, W]
+    window_size: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.prompt_index_B.numel())
+
+    def _prompt_index(self) -> torch.Tensor:
+        return self.prompt_index_B
+
+
+def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
+    """Join workers' rollouts of the same step: samples, prompt tables (re-indexed), reward handles,
+    and each sample's weight version (`extras["weight_version_B"]`, from each part's
+    `extras["weight_version"]`)."""
+    extras = _joined_extras(rollouts)
+    if len(rollouts) == 1:
+        return replace(rollouts[0], extras=extras)
+    samples = []
+    for r, offset in zip(rollouts, _prompt_offsets(rollouts), strict=True):
+        s = r.samples.clone()
+        s.prompt_index_B = s.prompt_index_B + offset
+        samples.append(s)
+    return replace(
+        rollouts[0],
+        samples=torch.cat(samples),
+        prompt_embeds=PromptEmbeds.cat_padded([r.prompt_embeds for r in rollouts]),
+        prompts=[p for r in rollouts for p in r.prompts],
+        uids=[u for r in rollouts for u in r.uids],
+        metadata=[m for r in rollouts for m in r.metadata],
+        extras=extras,
+    )
+
+
+def concat_summaries(summaries: Sequence[RolloutSummary]) -> RolloutSummary:
+    """`concat_rollouts` for the summaries the controller keeps: the same order and prompt rows."""
+    offsets = _prompt_offsets(summaries)
+    return RolloutSummary(
+        prompts=[p for r in summaries for p in r.prompts],
+        uids=[u for r in summaries for u in r.uids],
+        metadata=[m for r in summaries for m in r.metadata],
+        prompt_index_B=torch.cat([r.prompt_index_B + o for r, o in zip(summaries, offsets, strict=True)]),
+        sample_index_B=torch.cat([r.sample_index_B for r in summaries]),
+        log_probs_BW=torch.cat([r.log_probs_BW for r in summaries]),
+        window_size=summaries[0].window_size,
+        extras=_joined_extras(summaries),
+    )
+
+
+def _prompt_offsets(parts: Sequence[Rollout | RolloutSummary]) -> list[int]:
+    offsets, total = [], 0
+    for part in parts:
+        offsets.append(total)
+        total += len(part.prompts)
+    return offsets
+
+
+def _joined_extras(parts: Sequence[Rollout | RolloutSummary]) -> dict:
+    """The parts' reward handles in order, and one weight version per sample."""
+    return {
+        "reward_handles": [h for part in parts for h in part.extras.get("reward_handles", [])],
+        "weight_version_B": torch.cat(
+            [torch.full((len(p),), int(p.extras.get("weight_version", 0)), dtype=torch.long) for p in parts]
+        ),
+    }
 
 
 @torch.no_grad()

@@ -114,7 +114,8 @@ class DirectPreferenceTrainer(TrainingLoop):
     def _online_step(self) -> tuple[dict[str, float], int]:
         cfg = self.cfg
         with self.timer.phase("gen"):
-            _, rollout, sampling_metrics = self.rollout_for_step(self.sampling_policy)
+            _, staged, sampling_metrics = self.rollout_for_step(self.sampling_policy)
+            rollout = staged.fetch()  # these losses build their batches here, from clean latents
         with self.timer.phase("reward"):
             scores = gather_rewards(rollout.extras.pop("reward_handles"), self.cfg.trainer.worker_timeout_s)
         sample_uids = rollout.sample_uids()

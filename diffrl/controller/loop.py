@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from diffrl.config.schema import Config
-from diffrl.controller.placement import Colocated, PendingRollout, Placement
+from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
 from diffrl.controller.validation import run_validation
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.telemetry.console import progress
 from diffrl.train.engine import POLICY
-from diffrl.transition import Rollout
 from diffrl.workers.group import WorkerGroup
 
 # What a step's update depends on, in the order data flows: the first non-finite one is named.
@@ -98,9 +97,12 @@ class TrainingLoop:
         print(f"resumed from {checkpoint} at step {self.step}")
 
     # ------------------------------------------------------------------------------ sampling
-    def rollout_for_step(self, policy: str = POLICY) -> tuple[list[PromptRecord], Rollout, dict[str, float]]:
-        """This step's prompts, their rollout (reward handles in extras) and the sampling metrics
-        (weight versions, staleness, weight-sync cost); see the module docstring for one_step_off."""
+    def rollout_for_step(
+        self, policy: str = POLICY
+    ) -> tuple[list[PromptRecord], StagedRollout, dict[str, float]]:
+        """This step's prompts, their rollout (reward handles in its summary's extras) and the
+        sampling metrics (weight versions, staleness, weight-sync cost); see the module docstring
+        for one_step_off."""
         metrics, self.resume_sync_metrics = self.resume_sync_metrics, {}
         if self.next_batch is None:
             records = [record for _, record in self.sampler.next_batch()]
@@ -116,7 +118,7 @@ class TrainingLoop:
         if self.one_step_off and not self._ends_with_checkpoint(self.step):
             upcoming = [record for _, record in self.sampler.next_batch()]
             self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy))
-        versions = rollout.extras.pop("weight_version_B")
+        versions = rollout.summary.extras.pop("weight_version_B")
         metrics["rollout/weight_version"] = float(versions.min())
         metrics["rollout/staleness"] = float(self.step - 1 - versions.min())
         return records, rollout, metrics

@@ -27,13 +27,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from diffrl.config.schema import Config
-from diffrl.controller.sharding import concat_rollouts, prompt_shard
+from diffrl.controller.sharding import prompt_shard
 from diffrl.data import PromptRecord
 from diffrl.train.engine import POLICY
-from diffrl.transition import Rollout
+from diffrl.transition import Rollout, RolloutSummary, concat_rollouts, concat_summaries
 from diffrl.workers.group import (
     WorkerError,
     WorkerFuture,
@@ -43,9 +44,26 @@ from diffrl.workers.group import (
     wait_any,
     wait_done,
 )
-from diffrl.workers.roles import PromptShard
+from diffrl.workers.roles import PromptShard, fetched
 
 _POLL_S = 1.0  # how often the request stream checks whether the run is stopping
+
+
+@dataclass
+class StagedRollout:
+    """A step's rollout as the controller holds it: the summary (uids, sample indices, sampled
+    log-probs, reward handles and weight versions in its extras) and the pieces of the rollout
+    itself, in prompt order, for the trainer ranks (`ActorWorker.stage`). Under Ray the pieces are
+    object references: the latents and pixels go from the samplers to the trainer ranks without
+    passing through the controller."""
+
+    summary: RolloutSummary
+    parts: list[Any]
+
+    def fetch(self) -> Rollout:
+        """The whole rollout here, for a loop that builds its batches on the controller (the
+        direct-preference loops); the summary's extras are its extras."""
+        return replace(concat_rollouts(fetched(self.parts)), extras=self.summary.extras)
 
 
 class PendingRollout:
@@ -54,24 +72,26 @@ class PendingRollout:
     def __init__(self, wait: concurrent.futures.Future | list[WorkerFuture], timeout_s: float):
         self._wait = wait
         self._timeout_s = timeout_s
-        self._rollout: Rollout | None = None
+        self._staged: StagedRollout | None = None
 
-    def result(self) -> Rollout:
-        if self._rollout is None:
+    def result(self) -> StagedRollout:
+        if self._staged is None:
             if isinstance(self._wait, concurrent.futures.Future):
                 try:
-                    parts = self._wait.result(self._timeout_s)
+                    pieces = self._wait.result(self._timeout_s)
                 except TimeoutError as err:
                     raise TimeoutError(
                         f"sampling did not finish within trainer.worker_timeout_s={self._timeout_s:g} s: {err}"
                     ) from None
             else:
-                parts = gather(self._wait, timeout=self._timeout_s)
-            self._rollout = concat_rollouts(parts)
-        return self._rollout
+                pieces = gather(self._wait, timeout=self._timeout_s)
+            self._staged = StagedRollout(
+                concat_summaries([summary for summary, _ in pieces]), [part for _, part in pieces]
+            )
+        return self._staged
 
     def done(self) -> bool:
-        if self._rollout is not None:
+        if self._staged is not None:
             return True
         if isinstance(self._wait, concurrent.futures.Future):
             return self._wait.done()
@@ -239,11 +259,13 @@ class Separate(Placement):
         future = self._pump.submit(self._stream, self.requests(records, uids), kwargs)
         return PendingRollout(future, self.timeout_s)
 
-    def _stream(self, requests: list[PromptShard], kwargs: dict[str, Any]) -> list[Rollout]:
+    def _stream(
+        self, requests: list[PromptShard], kwargs: dict[str, Any]
+    ) -> list[tuple[RolloutSummary, Any]]:
         """Keep every replica busy with up to `requests_in_flight` requests until all are answered;
         a replica's failure ends the stream at once (the rest would wait on it)."""
         limit = self.cfg.rollout.requests_in_flight
-        results: list[Rollout | None] = [None] * len(requests)
+        results: list[tuple[RolloutSummary, Any] | None] = [None] * len(requests)
         queue = deque(enumerate(requests))
         in_flight: dict[WorkerFuture, tuple[int, int]] = {}
         load = [0] * self.replicas.size
@@ -267,9 +289,10 @@ class Separate(Placement):
                 wait_any(list(in_flight), timeout=0)  # the TimeoutError names the silent replicas
             for future in wait_done(list(in_flight), timeout=min(remaining, _POLL_S)):
                 index, replica = in_flight.pop(future)
-                results[index] = future.result()  # a failed request raises its WorkerError here
-                handles = results[index].extras.get("reward_handles", [])
-                results[index].extras["reward_handles"] = [_ScoredFor(h, future) for h in handles]
+                summary, part = future.result()  # a failed request raises its WorkerError here
+                handles = summary.extras.get("reward_handles", [])
+                summary.extras["reward_handles"] = [_ScoredFor(h, future) for h in handles]
+                results[index] = (summary, part)
                 load[replica] -= 1
         return [r for r in results if r is not None]
 
@@ -313,4 +336,4 @@ def sync_backend(cfg: Config, has_gpu: bool) -> str:
     return "nccl" if has_gpu and own_gpus else "gloo"
 
 
-__all__ = ["Colocated", "PendingRollout", "Placement", "Separate", "sync_backend"]
+__all__ = ["Colocated", "PendingRollout", "Placement", "Separate", "StagedRollout", "sync_backend"]

@@ -37,13 +37,12 @@ from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import mini_batches
-from diffrl.controller.sharding import split_even
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops
-from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
+from diffrl.train.batch import TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
-from diffrl.transition import Rollout
+from diffrl.transition import RolloutSummary
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -66,7 +65,10 @@ class PolicyGradientTrainer(TrainingLoop):
         cfg = self.cfg
         self.timer.reset()
         with self.timer.phase("gen"):
-            _, rollout, sampling_metrics = self.rollout_for_step()
+            _, staged, sampling_metrics = self.rollout_for_step()
+            # the trajectories go from the samplers to the trainer ranks; this process keeps the summary
+            self.workers.call("stage", staged.parts)
+        rollout = staged.summary
         with self.timer.phase("reward"):
             scores = gather_rewards(rollout.extras.pop("reward_handles"), self.cfg.trainer.worker_timeout_s)
         metrics = scores.metrics(rollout.sample_uids())
@@ -74,17 +76,18 @@ class PolicyGradientTrainer(TrainingLoop):
         advantages = self.estimator(scores.total_B, rollout.sample_uids(), cfg.algorithm)
         targets = TrainingTargets(advantages_B=advantages.float(), batch_size=[len(rollout)])
         metrics.update(advantage_metrics(advantages))
+        means: dict[str, list] = {}  # the SDE means the trainer ranks computed, as they hand them over
 
         if not self.reuse_rollout_log_probs:
             with self.timer.phase("old_log_prob"):
                 old_log_probs, old_means = self._log_probs(rollout, POLICY)
             targets.old_log_probs_BW = old_log_probs
             if self.needs_old_mean:
-                targets.old_means = old_means
+                means["old_means"] = old_means
             # weights are all 1 unless algorithm.rollout_correction turns IS or rejection on; the
             # mismatch diagnostics are logged either way
             weights, rc_metrics = rollout_correction_from_config(
-                old_log_probs, rollout.samples.log_probs_BW, cfg.algorithm.rollout_correction
+                old_log_probs, rollout.log_probs_BW, cfg.algorithm.rollout_correction
             )
             targets.weights_BW = weights if self.corrects_rollout else None
             metrics.update(rc_metrics)
@@ -92,10 +95,11 @@ class PolicyGradientTrainer(TrainingLoop):
             targets.train_mask_BW = self._train_mask(rollout)
         if cfg.actor.loss.kl_coef > 0:
             with self.timer.phase("ref"):
-                targets.ref_means = self._log_probs(rollout, REFERENCE)[1]
+                means["ref_means"] = self._log_probs(rollout, REFERENCE)[1]
 
         with self.timer.phase("update_actor"):
-            metrics.update(self._update(PolicyGradientBatch(rollout, targets)))
+            self.workers.call("stage_targets", targets, means)
+            metrics.update(self._update(len(rollout)))
 
         images = len(rollout)
         metrics.update(self.timer.metrics(images, self.placement.gpus))
@@ -114,31 +118,33 @@ class PolicyGradientTrainer(TrainingLoop):
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
 
-    def _train_mask(self, rollout: Rollout) -> torch.Tensor:
+    def _train_mask(self, rollout: RolloutSummary) -> torch.Tensor:
         """DanceGRPO: each sample trains a random `timestep_fraction` of the window steps, drawn
         from its own generator (TIMESTEP_SUBSET_STREAM, seed, step, sample)."""
         gens = [
             generator("cpu", TIMESTEP_SUBSET_STREAM, self.cfg.trainer.seed, self.step, int(i))
-            for i in rollout.samples.sample_index_B
+            for i in rollout.sample_index_B
         ]
         subset = timestep_subset(rollout.window_size, self.cfg.algorithm.timestep_fraction, gens)
         return timestep_subset_mask(subset, rollout.window_size)
 
-    def _log_probs(self, rollout: Rollout, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = self.workers.scatter("log_probs", split_even(rollout, self.workers.size), policy=policy)
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    def _log_probs(self, rollout: RolloutSummary, policy: str) -> tuple[torch.Tensor, list]:
+        """Log-probs of the staged rollout under `policy`, each worker an equal, consecutive share
+        of the samples; the SDE means stay handed over (object references under Ray), in order."""
+        size = len(rollout) // self.workers.size
+        shares = [slice(i * size, (i + 1) * size) for i in range(self.workers.size)]
+        parts = self.workers.scatter("staged_log_probs", shares, policy=policy)
+        return torch.cat([log_probs for log_probs, _ in parts]), [means for _, means in parts]
 
-    def _update(self, batch: PolicyGradientBatch) -> dict[str, float]:
+    def _update(self, images: int) -> dict[str, float]:
         """One optimizer step per mini-batch of whole prompt groups (`trainer.minibatches`), each
-        split over the workers in micro-batches; metrics averaged over the optimizer steps."""
+        split over the workers in micro-batches of staged rows; metrics averaged over the
+        optimizer steps."""
         world, micro = self.workers.size, self.cfg.actor.micro_batch_size
         sums: dict[str, float] = defaultdict(float)
         count = 0
-        for mini in mini_batches(self.cfg, len(batch) // self.cfg.rollout.n, self.step):
-            shards = [
-                [batch.select(rows).compact() for rows in worker] for worker in mini.shards(world, micro)
-            ]
-            results = self.workers.scatter("forward_backward", shards)
+        for mini in mini_batches(self.cfg, images // self.cfg.rollout.n, self.step):
+            results = self.workers.scatter("staged_forward_backward", mini.shards(world, micro))
             step_metrics = self.workers.call("optim_step")[0]
             for key, value in {**results[0], **step_metrics}.items():
                 sums[f"actor/{key}"] += value
@@ -147,7 +153,7 @@ class PolicyGradientTrainer(TrainingLoop):
         means["actor/skipped_steps"] = step_metrics["skipped_steps"]  # a running count, not an average
         return means
 
-    def _flops(self, rollout: Rollout) -> dict[str, float]:
+    def _flops(self, rollout: RolloutSummary) -> dict[str, float]:
         """Model FLOPs of this step's phases, from the adapter's analytic count (via a worker)."""
         return self.workers.call(
             "phase_flops", len(rollout), rollout.window_size, not self.reuse_rollout_log_probs

@@ -17,7 +17,8 @@ losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FL
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,10 +31,10 @@ from diffrl.config.schema import Config
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
-from diffrl.train.batch import PolicyGradientBatch
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine
 from diffrl.train.lora import inject_lora
-from diffrl.transition import Rollout
+from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,23 @@ class RolloutWorker:
 
     def sample_and_score(
         self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
-    ) -> Rollout:
+    ) -> tuple[RolloutSummary, Any]:
         """Sample a shard of prompts as `policy`; each decoded micro-batch goes to `rewards.submit`
         at once.
 
-        The rollout comes back on the CPU with the reward handles in `extras["reward_handles"]`,
-        in sample order, for the controller to gather, and the weight version in
-        `extras["weight_version"]`.
-        """
+        Returns the rollout's summary for the controller (the reward handles, in sample order, and
+        the weight version in its extras) and the rollout itself on the CPU for the trainer ranks:
+        in a Ray worker as an object reference, which the controller passes on without fetching
+        the tensors (`ActorWorker.stage`)."""
+        rollout = self._sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+        summary = rollout.summary()
+        return summary, _handed_over(replace(rollout, extras={}))
+
+    def _sample_scored(
+        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str
+    ) -> Rollout:
+        """The rollout of `sample_and_score`, with the reward handles and the weight version in
+        its extras."""
         handles: list[Any] = []
         with torch.no_grad(), self._use_policy(policy):
             rollout = self.sampler.sample(
@@ -225,6 +235,28 @@ class RolloutWorker:
             self._weight_sync = None
 
 
+def _handed_over(rollout: Rollout) -> Any:
+    """The rollout for the trainer ranks: in a Ray worker an object reference to it (it stays in
+    Ray's object store until a trainer rank fetches it), in process the object itself."""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            return ray.put(rollout)
+    return rollout
+
+
+def fetched(parts: Sequence[Any]) -> list[Rollout]:
+    """`_handed_over`'s results as rollouts, in order (object references fetched in one call)."""
+    if "ray" not in sys.modules:
+        return list(parts)
+    import ray
+
+    refs = [part for part in parts if isinstance(part, ray.ObjectRef)]
+    values = iter(ray.get(refs)) if refs else iter(())
+    return [next(values) if isinstance(part, ray.ObjectRef) else part for part in parts]
+
+
 def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
     import hashlib
 
@@ -264,6 +296,8 @@ class ActorWorker:
             adapter.compile_blocks()
         self._text_len = 0
         self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
+        self._staged: Rollout | None = None  # the step's rollout (`stage`)
+        self._staged_targets: TrainingTargets | None = None
         # Supervised training only (`flow_matching_backward`): filled on first use.
         self._training_sigmas: torch.Tensor | None = None
         self._prompt_cache: dict[str, Any] = {}
@@ -406,6 +440,38 @@ class ActorWorker:
         log_probs, means = self.engine.log_probs(rollout.to(self.engine.adapter.device), policy)
         return log_probs.cpu(), means.cpu()
 
+    # ------------------------------------------------- the step's rollout, held here (policy gradient)
+    def stage(self, parts: Sequence[Any]) -> None:
+        """Take this step's rollout: the samplers' pieces in order, object references fetched here
+        (`RolloutWorker.sample_and_score`), joined as the controller's summary was. Later calls
+        name samples by row; the tensors never pass through the controller."""
+        self._staged = concat_rollouts(fetched(parts))
+        self._staged_targets = None
+
+    def staged_log_probs(self, rows: slice, policy: str = POLICY) -> tuple[torch.Tensor, Any]:
+        """(log-probs [R, W] on the CPU, the SDE means) of the staged rows under `policy`. The means
+        are latent-sized: in a Ray worker they come back as an object reference, for `stage_targets`
+        on whichever ranks train those rows."""
+        log_probs, means = self.log_probs(self._staged.select(rows).compact(), policy)
+        return log_probs, _handed_over(means)
+
+    def stage_targets(self, targets: TrainingTargets, means: Mapping[str, Sequence[Any]]) -> None:
+        """The step's per-sample training targets: the controller's (advantages, old log-probs,
+        weights, step mask) plus the SDE means `staged_log_probs` computed, by field name
+        (`old_means`, `ref_means`), each a list of the workers' pieces in row order."""
+        for name, pieces in means.items():
+            setattr(targets, name, torch.cat(fetched(pieces)))
+        self._staged_targets = targets
+
+    def staged_forward_backward(self, micro_rows: Sequence[torch.Tensor]) -> dict[str, float]:
+        """`forward_backward` of the staged rows, one micro-batch per entry of `micro_rows`."""
+        if self._staged_targets is None:
+            raise RuntimeError(
+                "staged_forward_backward before stage_targets: the controller sets the targets first"
+            )
+        batch = PolicyGradientBatch(self._staged, self._staged_targets)
+        return self.forward_backward([batch.select(rows).compact() for rows in micro_rows])
+
     def copy_adapter(self, src: str, dst: str) -> None:
         self.engine.copy_adapter(src, dst)
 
@@ -522,7 +588,7 @@ class HybridWorker(ActorWorker):
 
     def sample_and_score(
         self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
-    ) -> Rollout:
+    ) -> tuple[RolloutSummary, Any]:
         return self.rollout.sample_and_score(shard, seed=seed, step=step, rewards=rewards, policy=policy)
 
     def set_weight_version(self, version: int) -> None:

@@ -1,10 +1,9 @@
 import torch
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
-from diffrl.controller.sharding import concat_rollouts
 from diffrl.models import load_model
 from diffrl.rollout import TrajectorySampler
-from diffrl.transition import evaluate_step
+from diffrl.transition import concat_rollouts, evaluate_step
 
 
 def test_joining_workers_rollouts_with_different_text_lengths_keeps_every_samples_math(tiny_model):

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from diffrl.config import load_config
@@ -113,6 +114,20 @@ def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(tmp_pat
             assert sent["weight_sync/full"] == 0.0
             assert sent["weight_sync/bytes"] == _adapter_bytes(cfg)
         assert digests[0] != digests[1]  # the update changed what was synced
+        # The controller gets summaries; the trajectories go to the trainer ranks as object
+        # references (two requests of one micro-batch each), and the staged copy is the replicas'.
+        records = train_records[: cfg.data.prompts_per_step]
+        staged = placement.sample(
+            records, [str(i) for i in range(len(records))], step=3, rewards=rewards
+        ).result()
+        assert len(staged.parts) == 2 and all(isinstance(part, ray.ObjectRef) for part in staged.parts)
+        assert len(staged.summary) == cfg.images_per_step
+        assert not any(
+            isinstance(v, torch.Tensor) and v.numel() > 64 * 4 for v in vars(staged.summary).values()
+        )
+        full = staged.fetch()
+        assert torch.equal(full.samples.log_probs_BW, staged.summary.log_probs_BW)
+        assert full.sample_uids() == staged.summary.sample_uids()
 
 
 def test_one_step_off_samples_each_batch_one_version_behind_and_trains(tmp_path):
