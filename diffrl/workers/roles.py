@@ -112,16 +112,14 @@ class RolloutWorker:
                 inject_lora(
                     adapter, cfg.model.lora, [POLICY, OLD] if with_old else [POLICY], seed=cfg.trainer.seed
                 )
-                cast_training_params(
-                    adapter.transformer, torch.float32
-                )  # the trainer keeps fp32 LoRA weights
+                # the trainer keeps fp32 LoRA weights: the same dtypes, so they stream in 1:1
+                cast_training_params(adapter.transformer, torch.float32)
             adapter.transformer.requires_grad_(False)
             if cfg.model.compile:
                 adapter.compile_blocks()
         self.adapter = adapter
         self._use_policy = use_policy or self._set_adapter
         self.sampler = TrajectorySampler(self.adapter, cfg.rollout, progress=False)
-        self._text_len = 0
 
     @contextmanager
     def _set_adapter(self, policy: str) -> Iterator[None]:
@@ -178,7 +176,6 @@ class RolloutWorker:
                 on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
                 sample_offset=shard.sample_offset,
             )
-        self._text_len = rollout.prompt_embeds.embeds.shape[1]
         rollout = rollout.to("cpu")
         rollout.extras["reward_handles"] = handles
         rollout.extras["weight_version"] = self.weight_version
