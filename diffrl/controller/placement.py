@@ -16,7 +16,8 @@
 Both hand the loop a `PendingRollout`: sampling runs while the controller does other work (the
 one-step-off loop trains meanwhile) and `result()` joins the pieces in prompt order, so what a
 step trains on does not depend on which replica sampled which request: a sample's noise is keyed
-by (seed, step, sample index) alone.
+by (seed, step, sample index) alone. The result is a `StagedRollout`: the controller keeps the
+summaries; the trajectories go to the trainer ranks as object references.
 """
 
 from __future__ import annotations
