@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout import transformer_config
 
 from diffrl.models.sd3 import SD3Adapter
+from diffrl.train.export import adapter_key_predicate
 from diffrl.workers.weight_sync import WeightSyncGroup, free_address, tensor_specs
 
 # A small SD3 transformer with the same structure (joint and dual-attention blocks) for CPU runs.
@@ -52,10 +53,6 @@ TINY = dict(
     dual_attention_layers=(0,),
     qk_norm="rms_norm",
 )
-
-
-def is_adapter(key: str) -> bool:
-    return "lora_" in key
 
 
 def build(args, device: torch.device, seed: int) -> torch.nn.Module:
@@ -109,6 +106,7 @@ def worker(rank: int, args, host: str, port: int, ready, out) -> None:
         group = WeightSyncGroup.join(host, port, rank, 2, backend=args.backend, timeout_s=args.timeout_s)
         bucket_bytes = args.bucket_mb << 20
         results = {}
+        is_adapter = adapter_key_predicate(model)  # the test the trainer's adapter-only sync uses
         for case, keep in (("lora", is_adapter), ("full", lambda key: not is_adapter(key))):
             params = {key: t for key, t in model.state_dict().items() if keep(key)}
             specs = tensor_specs(params.items())
