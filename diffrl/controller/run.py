@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -329,30 +329,61 @@ def worker_options(cfg: Config) -> dict[str, Any]:
 
 
 @contextmanager
+def _job_processes(cfg: Config, model_workers: int, use_ray: bool) -> Iterator[Any]:
+    """Split the cores over the job's processes (diffrl/workers/threads.py) and, with Ray, start
+    or join the cluster; undo both on exit. Yields the thread plan."""
+    from diffrl.workers.group import ensure_ray
+    from diffrl.workers.threads import plan_threads, set_threads
+
+    threads = plan_threads(model_workers, cfg.reward.workers if use_ray else 0, ray=use_ray)
+    restore_threads = set_threads(threads.driver)
+    started_ray = False
+    try:
+        if use_ray:
+            # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
+            reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
+            address = cfg.trainer.ray_address
+            started_ray = ensure_ray(
+                address, num_cpus=None if address else int(model_workers + reward_cpus + 1)
+            )
+        yield threads
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+        restore_threads()
+
+
+def _start_rewards(cfg: Config, stack: ExitStack, use_ray: bool, threads: Any) -> Any:
+    """The reward workers, closed with `stack`; None without reward functions (offline DPO may run
+    without rewards: no validation then)."""
+    from diffrl.rewards.workers import create_reward_workers
+    from diffrl.workers.threads import thread_env
+
+    if not cfg.reward.functions:
+        return None
+    rewards = create_reward_workers(cfg.reward, use_ray=use_ray, env_vars=thread_env(threads.reward))
+    stack.callback(rewards.close)
+    return rewards
+
+
+@contextmanager
 def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
     exit, also when starting one of them failed."""
-    from diffrl.rewards.workers import create_reward_workers
     from diffrl.telemetry.console import progress
-    from diffrl.workers.group import InProcessGroup, RayGroup, ensure_ray
+    from diffrl.workers.group import InProcessGroup, RayGroup
     from diffrl.workers.roles import HybridWorker
-    from diffrl.workers.threads import plan_threads, set_threads, thread_env
+    from diffrl.workers.threads import thread_env
 
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
-    started_ray, workers, rewards = False, None, None
     roles = worker_options(cfg)
-    threads = plan_threads(world, cfg.reward.workers if use_ray else 0, ray=use_ray)
-    restore_threads = set_threads(threads.driver)  # diffrl/workers/threads.py: every process's share
-    try:
+    with ExitStack() as stack:
         with progress(f"starting {world} worker(s) and loading {cfg.model.path}"):
+            threads = stack.enter_context(_job_processes(cfg, world, use_ray))
             if use_ray:
-                # Ray's CPU counts are bookkeeping: declare enough for every worker even on a 2-core laptop.
-                reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
-                started_ray = ensure_ray(
-                    cfg.trainer.ray_address,
-                    num_cpus=None if cfg.trainer.ray_address else int(world + reward_cpus + 1),
-                )
                 gpus = 1.0 if torch.cuda.is_available() else 0.0
                 workers = RayGroup(
                     HybridWorker,
@@ -365,20 +396,9 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
                 )
             else:
                 workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
+            stack.callback(workers.shutdown)
             workers.timeout_s = cfg.trainer.worker_timeout_s
-        if cfg.reward.functions:  # offline DPO may run without rewards (no validation then)
-            rewards = create_reward_workers(cfg.reward, use_ray=use_ray, env_vars=thread_env(threads.reward))
-        yield workers, rewards
-    finally:
-        if rewards is not None:
-            rewards.close()
-        if workers is not None:
-            workers.shutdown()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
-        restore_threads()
+        yield workers, _start_rewards(cfg, stack, use_ray, threads)
 
 
 @contextmanager
@@ -389,69 +409,48 @@ def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
         with worker_session(cfg) as (workers, rewards):
             yield Colocated(cfg, workers), rewards
         return
-    yield from _separate_session(cfg)
-
-
-def _separate_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
-    from diffrl.rewards.workers import create_reward_workers
     from diffrl.telemetry.console import progress
-    from diffrl.workers.group import RayGroup, ensure_ray
+    from diffrl.workers.group import RayGroup
     from diffrl.workers.roles import ActorWorker, RolloutWorker
-    from diffrl.workers.threads import plan_threads, set_threads, thread_env
+    from diffrl.workers.threads import thread_env
 
     world, replicas = cfg.world_size, cfg.rollout.replicas
     has_gpu = torch.cuda.is_available()
-    threads = plan_threads(world + replicas, cfg.reward.workers, ray=True)
-    restore_threads = set_threads(threads.driver)
-    started_ray, trainer, rollout, placement, rewards = False, None, None, None, None
     roles = worker_options(cfg)
-    try:
+    with ExitStack() as stack:
         with progress(
             f"starting {world} trainer rank(s) and {replicas} rollout replica(s) of {cfg.model.path}"
         ):
-            reward_cpus = cfg.reward.workers * cfg.reward.cpus_per_worker
-            started_ray = ensure_ray(
-                cfg.trainer.ray_address,
-                num_cpus=None if cfg.trainer.ray_address else int(world + replicas + reward_cpus + 1),
+            threads = stack.enter_context(_job_processes(cfg, world + replicas, use_ray=True))
+
+            def pool(cls: type, size: int, gpus: float, resources: dict, **options: Any) -> RayGroup:
+                group = RayGroup(
+                    cls,
+                    size,
+                    cfg,
+                    num_cpus=1.0,
+                    num_gpus=gpus if has_gpu else 0.0,
+                    resources=resources,
+                    env_vars=thread_env(threads.worker),
+                    **options,
+                )
+                stack.callback(group.shutdown)
+                group.timeout_s = cfg.trainer.worker_timeout_s
+                return group
+
+            trainer = pool(
+                ActorWorker, world, cfg.trainer.gpus_per_worker, cfg.trainer.ray_resources, **roles
             )
-            trainer = RayGroup(
-                ActorWorker,
-                world,
-                cfg,
-                num_cpus=1.0,
-                num_gpus=cfg.trainer.gpus_per_worker if has_gpu else 0.0,
-                resources=cfg.trainer.ray_resources,
-                env_vars=thread_env(threads.worker),
-                **roles,
-            )
-            rollout = RayGroup(
+            rollout = pool(
                 RolloutWorker,
                 replicas,
-                cfg,
-                num_cpus=1.0,
-                num_gpus=cfg.rollout.gpus_per_replica if has_gpu else 0.0,
-                resources=cfg.rollout.ray_resources,
-                env_vars=thread_env(threads.worker),
+                cfg.rollout.gpus_per_replica,
+                cfg.rollout.ray_resources,
                 with_old=bool(roles.get("with_old", False)),
             )
-            trainer.timeout_s = rollout.timeout_s = cfg.trainer.worker_timeout_s
             placement = Separate(cfg, trainer, rollout, backend=sync_backend(cfg, has_gpu))
-        if cfg.reward.functions:
-            rewards = create_reward_workers(cfg.reward, use_ray=True, env_vars=thread_env(threads.reward))
-        yield placement, rewards
-    finally:
-        if placement is not None:
-            placement.shutdown()
-        if rewards is not None:
-            rewards.close()
-        for group in (rollout, trainer):
-            if group is not None:
-                group.shutdown()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
-        restore_threads()
+            stack.callback(placement.shutdown)
+        yield placement, _start_rewards(cfg, stack, True, threads)
 
 
 def _lock(run_dir: Path) -> int:
