@@ -112,9 +112,8 @@ class TrainingLoop:
             (records, pending), self.next_batch = self.next_batch, None
         rollout = pending.result()
         # The replicas are idle now: give them the weights this step starts from before they
-        # sample the next batch (a no-op when they hold them already).
-        for key, value in self.placement.sync_weights(self.step - 1).items():
-            metrics[key] = metrics.get(key, 0.0) + value
+        # sample the next batch (a no-op, returning nothing, when the sync above already did).
+        metrics.update(self.placement.sync_weights(self.step - 1))
         if self.one_step_off and not self._ends_with_checkpoint(self.step):
             upcoming = [record for _, record in self.sampler.next_batch()]
             self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy))
