@@ -448,6 +448,8 @@ class RewardFnConfig:
     weight: float = 1.0  # the reward's weight in the weighted sum
     required: bool = True  # true: a failure stops the run; false: the batch scores 0, counted
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the reward function
+    # videos: score this many evenly spaced frames (first and last among them), averaged; null = all
+    video_frames: int | None = None
 
 
 @dataclass

@@ -16,6 +16,10 @@ Rewards that only need to look at single images subclass `ImageReward` and imple
 `score_images` on `[N, 3, H, W]` frames; videos are then scored frame by frame and each sample's
 score is the mean over its frames, so every image reward also works on video.
 
+Video rewards may look at a few frames only (`reward.functions.<name>.video_frames=K`):
+`call_reward` then hands the reward K evenly spaced frames of each video (`frame_indices`: the
+first and the last always among them), so an image reward's score is the mean over those K.
+
 User functions may be sloppier than built-ins: `as_reward_output` accepts a `RewardOutput`, a
 tensor, a NumPy array or a list of floats, and `resolve_awaitable` runs `async def` rewards, so the
 caller (`MultiReward`, the HTTP server) always gets a checked `RewardOutput`.
@@ -180,8 +184,14 @@ def call_reward(
     prompts: Sequence[str],
     metadata: Sequence[Mapping[str, Any]],
     name: str,
+    video_frames: int | None = None,
 ) -> RewardOutput:
-    """Call any reward (sync or async, strict or sloppy output) and return a checked output."""
+    """Call any reward (sync or async, strict or sloppy output) and return a checked output.
+
+    video_frames: for videos, the reward sees only that many evenly spaced frames of each sample
+    (`select_frames`); None = every frame. Images are passed as they are.
+    """
+    pixels = select_frames(pixels, video_frames)
     result = resolve_awaitable(reward(pixels, list(prompts), list(metadata)))
     return as_reward_output(result, int(pixels.shape[0]), name)
 
@@ -193,6 +203,45 @@ def flatten_frames(pixels: torch.Tensor) -> tuple[torch.Tensor, int]:
         return pixels, 1
     batch, frames = pixels.shape[:2]
     return pixels.reshape(batch * frames, *pixels.shape[2:]), frames
+
+
+def check_video_frames(video_frames: Any, at: str) -> int | None:
+    """`video_frames` as the int it must be (>= 2: the first and the last frame), or None; `at`
+    names the setting in the error."""
+    if video_frames is None:
+        return None
+    if isinstance(video_frames, bool) or not isinstance(video_frames, int) or video_frames < 2:
+        raise ValueError(
+            f"{at}={video_frames!r} is invalid: must be an integer >= 2 (frames scored per video, the "
+            "first and the last among them) or null to score every frame"
+        )
+    return video_frames
+
+
+def frame_indices(num_frames: int, video_frames: int | None) -> list[int]:
+    """Which frames of a `num_frames`-frame video are scored: K = `video_frames` evenly spaced ones,
+
+        i_k = round(k · (T − 1) / (K − 1)),   k = 0 .. K − 1   (halves round up)
+
+    so i_0 = 0 and i_{K-1} = T − 1; distinct, since the spacing (T − 1)/(K − 1) is >= 1 when K <= T.
+    Every frame when `video_frames` is None or >= T.
+    """
+    if video_frames is None or video_frames >= num_frames:
+        return list(range(num_frames))
+    steps = video_frames - 1
+    # integer arithmetic: float rounding must not move a frame by one at exact halves
+    return [(2 * k * (num_frames - 1) + steps) // (2 * steps) for k in range(video_frames)]
+
+
+def select_frames(pixels: torch.Tensor, video_frames: int | None) -> torch.Tensor:
+    """Videos `[B, T, 3, H, W]` -> `[B, K, 3, H, W]`, the frames `frame_indices(T, K)`; images and
+    `video_frames=None` pass through unchanged."""
+    if video_frames is None or pixels.ndim != 5:
+        return pixels
+    index = frame_indices(int(pixels.shape[1]), video_frames)
+    if len(index) == pixels.shape[1]:
+        return pixels
+    return pixels[:, index]
 
 
 def mean_over_frames(values_N: torch.Tensor, frames: int) -> torch.Tensor:

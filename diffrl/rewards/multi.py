@@ -36,7 +36,7 @@ import numpy as np
 
 from diffrl.algos.metrics import reward_metrics
 from diffrl.lazy import lazy_import
-from diffrl.rewards.base import Reward, call_reward, check_batch
+from diffrl.rewards.base import Reward, call_reward, check_batch, check_video_frames
 from diffrl.rewards.registry import build_reward, check_reward_spec, metric_name
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
@@ -50,12 +50,14 @@ class RewardError(RuntimeError):
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """One entry of `reward.functions`: the reward's name (key), weight, policy and args."""
+    """One entry of `reward.functions`: the reward's name (key), weight, policy, args and, for
+    videos, how many evenly spaced frames it scores (None = all)."""
 
     name: str
     weight: float = 1.0
     required: bool = True
     args: Mapping[str, Any] = field(default_factory=dict)
+    video_frames: int | None = None
 
 
 def reward_specs(functions: Mapping[str, Any]) -> list[RewardSpec]:
@@ -71,19 +73,24 @@ def reward_specs(functions: Mapping[str, Any]) -> list[RewardSpec]:
         if isinstance(entry, RewardSpec):
             spec = entry
         elif isinstance(entry, Mapping):
-            unknown = set(entry) - {"weight", "required", "args"}
+            unknown = set(entry) - {"weight", "required", "args", "video_frames"}
             if unknown:
                 raise ValueError(
-                    f"reward.functions.{name} has unknown key(s) {sorted(unknown)}: use weight, required, args"
+                    f"reward.functions.{name} has unknown key(s) {sorted(unknown)}: use weight, required, "
+                    "args, video_frames"
                 )
             spec = RewardSpec(
                 str(name),
                 float(entry.get("weight", 1.0)),
                 bool(entry.get("required", True)),
                 dict(entry.get("args") or {}),
+                entry.get("video_frames"),
             )
         else:
-            spec = RewardSpec(str(name), float(entry.weight), bool(entry.required), dict(entry.args))
+            spec = RewardSpec(
+                str(name), float(entry.weight), bool(entry.required), dict(entry.args), entry.video_frames
+            )
+        check_video_frames(spec.video_frames, f"reward.functions.{name}.video_frames")
         if not math.isfinite(spec.weight):
             raise ValueError(
                 f"reward.functions.{name}.weight={spec.weight!r} is invalid: must be a finite number"
@@ -203,7 +210,9 @@ class MultiReward:
         for spec in self.specs:
             start = time.perf_counter()
             try:
-                output = call_reward(self.rewards[spec.name], pixels, prompts, rows, spec.name)
+                output = call_reward(
+                    self.rewards[spec.name], pixels, prompts, rows, spec.name, spec.video_frames
+                )
             except Exception as err:
                 if spec.required:
                     raise RewardError(
