@@ -330,6 +330,8 @@ class ActorConfig:
     shuffle: bool = True  # shuffle prompt groups across mini-batches
     param_offload: bool = False
     optimizer_offload: bool = False
+    # ranks that split one sample's video tokens (Ulysses; docs/training.md "Sequence parallel")
+    sequence_parallel_size: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
@@ -340,6 +342,7 @@ class ActorConfig:
         require_at_least(f"{at}.mini_batch_size", self.mini_batch_size, 1)
         require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
         require_at_least(f"{at}.epochs", self.epochs, 1)
+        require_at_least(f"{at}.sequence_parallel_size", self.sequence_parallel_size, 1)
         self.optim.validate(f"{at}.optim")
         self.loss.validate(f"{at}.loss")
 
@@ -688,6 +691,14 @@ class Config:
             self.actor.strategy,
             f"must be fsdp2 with {self.world_size} workers (trainer.n_gpus_per_node × trainer.nnodes): "
             "without it each worker would train its own copy",
+        )
+        sp = self.actor.sequence_parallel_size
+        require(
+            self.world_size % sp == 0,
+            "actor.sequence_parallel_size",
+            sp,
+            f"must divide the {self.world_size} worker(s): each group of that many workers splits one "
+            "sample's video tokens",
         )
         require(
             self.data.prompts_per_step % self.world_size == 0,
