@@ -5,6 +5,8 @@ rewards: overall reward metrics, the reward mean and every scalar reward extra (
 verifier's `accuracy`, an OCR distance, ...) per data source, `val/accuracy` (the mean over data
 sources of their accuracy, when the rewards report one), and an image grid. The same seeds at
 every call, so the grids of two validations of a run show the same prompts from the same noise.
+Videos: the grid shows each sample's first frame, and every sample is also written as a GIF under
+`validation/step_XXXXXX/` with an `index.html` that plays them (docs/video.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from diffrl.data import PromptRecord
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.telemetry import save_png
 from diffrl.telemetry.console import progress
-from diffrl.telemetry.report import add_accuracy, validation_grid, validation_samples
+from diffrl.telemetry.report import add_accuracy, validation_grid, validation_samples, validation_videos
 from diffrl.transition import Rollout, concat_rollouts
 from diffrl.workers.group import WorkerGroup
 
@@ -36,7 +38,8 @@ def run_validation(
     step: int,
     logger: Any = None,
 ) -> dict[str, float]:
-    """Validate on `records`; writes `out_dir/validation/step_XXXXXX.png`; returns `val/...` metrics."""
+    """Validate on `records`; writes `out_dir/validation/step_XXXXXX.png` and `.jsonl` (and, for
+    videos, `step_XXXXXX/*.gif` with `index.html`); returns `val/...` metrics."""
     world, n = workers.size, cfg.rollout.val.n
     # Every worker must run the same number of forwards (FSDP gathers weights collectively), so
     # the prompt list is padded to a multiple of the workers by repeating it; the padding is
@@ -79,10 +82,17 @@ def run_validation(
     add_accuracy(metrics)
     pixels = rollout.samples.pixels
     rows = validation_samples(rollout.sample_prompts(), sources, scores.total_B, scalar_extras)
-    grid = validation_grid(pixels, rows, Path(out_dir) / "validation" / f"step_{step:06d}.jsonl")
-    save_png(Path(out_dir) / "validation" / f"step_{step:06d}.png", grid)
+    folder = Path(out_dir) / "validation"
+    videos = []
+    if pixels.ndim == 5:  # [B, T, 3, H, W]: the grid shows first frames, the GIFs the motion
+        videos = validation_videos(pixels, rows, folder / f"step_{step:06d}")
+    grid = validation_grid(pixels, rows, folder / f"step_{step:06d}.jsonl")
+    save_png(folder / f"step_{step:06d}.png", grid)
     if logger is not None:
         logger.log_images(step, "val/samples", grid)
+        if videos:
+            captions = [f"{row['prompt']} (reward {row['reward']:.3f})" for row in rows]
+            logger.log_videos(step, "val/videos", list(zip(videos, captions, strict=True)))
     return metrics
 
 

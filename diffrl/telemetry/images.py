@@ -11,6 +11,8 @@ its tile (0 without captions), black text, wrapped to the tile width (at most `c
 lines, the last one cut with "…"). `scale` enlarges every tile by pixel repetition first. A
 video tile is its first frame (`frames="first"`) or up to `max_frames` evenly spaced frames side
 by side (`frames="strip"`, tile_w = frames · W).
+
+`save_gif` writes one video as an animated GIF (Pillow), which any browser or image viewer plays.
 """
 
 from __future__ import annotations
@@ -202,5 +204,35 @@ def save_png(path: str | os.PathLike, image_HWC: ArrayLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     Image.fromarray(np.ascontiguousarray(array)).save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return path
+
+
+def save_gif(path: str | os.PathLike, video_T3HW: ArrayLike, fps: float) -> Path:
+    """Write a uint8 video `[T, 3, H, W]` as an animated GIF that loops, atomically; returns the path.
+
+    GIF stores at most 256 colours per frame: Pillow quantises each frame to its own palette, so a
+    frame with more colours than that comes back approximately (one with fewer comes back exactly).
+    GIF delays are whole centiseconds, so the frame time is 1000/fps ms rounded to one (16 fps:
+    60 ms). Pillow stores consecutive identical frames once, with their delays summed: the
+    playback time is kept, the frame count read back may be lower.
+    """
+    array = _as_uint8_numpy(video_T3HW, "video")
+    if array.ndim != 4 or array.shape[1] != 3 or array.shape[0] == 0:
+        raise ValueError(f"video must be (T, 3, H, W) with T >= 1, got shape {tuple(array.shape)}")
+    if not fps > 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    frames = [Image.fromarray(np.ascontiguousarray(frame.transpose(1, 2, 0))) for frame in array]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    frames[0].save(
+        tmp,
+        format="GIF",
+        save_all=True,
+        append_images=frames[1:],
+        duration=max(10, round(100 / fps) * 10),
+        loop=0,
+    )
     os.replace(tmp, path)
     return path

@@ -3,6 +3,7 @@
     with RunLogger(run_dir, cfg.trainer.loggers, total_steps=..., config=cfg_dict, run_name=name) as logger:
         logger.log(step, metrics)                      # {"group/stat": float}
         logger.log_images(step, "val/samples", grid)   # uint8 (H, W, 3)
+        logger.log_videos(step, "val/videos", [(gif_path, caption), ...])   # files already written
 
 Sinks (`trainer.loggers`): console (a progress line per step with ETA, a summary on close),
 jsonl (`run_dir/metrics.jsonl`), tensorboard (`run_dir/tensorboard/`), wandb (optional package,
@@ -148,6 +149,19 @@ class RunLogger:
             raise ValueError(f"image tag must be a non-empty string, got {tag!r}")
         for sink in self.sinks:
             sink.log_images(step, tag, image_HWC)
+
+    def log_videos(self, step: int, tag: str, videos: Sequence[tuple[str | os.PathLike, str]]) -> None:
+        """Video files (GIF) already written, each with a caption, to the sinks that show videos
+        (wandb; TensorBoard's video summaries need moviepy, which diffrl does not depend on)."""
+        step = self._check_open(step)
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"video tag must be a non-empty string, got {tag!r}")
+        files = [(Path(path), str(caption)) for path, caption in videos]
+        missing = [str(path) for path, _ in files if not path.is_file()]
+        if missing:
+            raise FileNotFoundError(f"log_videos: no such video file(s): {', '.join(missing[:3])}")
+        for sink in self.sinks:
+            sink.log_videos(step, tag, files)
 
     def _check_open(self, step: int) -> int:
         if self._closed:

@@ -15,12 +15,17 @@ works for any finished or interrupted run, and writes:
 
 and returns a few lines of text for the console. The curve is drawn with Pillow (a line plot
 needs no plotting library).
+
+A video model's validations also write every sample as a GIF with an HTML page that plays them
+(`validation_videos`, `validation/step_XXXXXX/index.html`); the summary names the last one.
 """
 
 from __future__ import annotations
 
+import html
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -146,6 +151,53 @@ def validation_grid(pixels: Any, rows: Sequence[Mapping[str, Any]], samples_path
     )
 
 
+#: Frames per second of the validation GIFs: Wan2.1's (its pipelines' examples export at 16).
+VIDEO_FPS = 16
+_SLUG_LENGTH = 60
+
+
+def prompt_slug(prompt: str) -> str:
+    """A file-name-safe short form of a prompt: lower-case letters and digits, runs of anything
+    else as one '-', at most 60 characters (the sidecar index keeps the whole prompt)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")
+    return slug[:_SLUG_LENGTH].rstrip("-") or "prompt"
+
+
+def validation_videos(
+    pixels_BT3HW: Any, rows: list[dict[str, Any]], folder: Path, fps: float = VIDEO_FPS
+) -> list[Path]:
+    """Write each validation sample's video to `folder` as `<index>_<prompt slug>.gif`, and
+    `folder/index.html`, a page that plays them all with their prompt and reward. Adds to each row
+    `video`: the GIF's path relative to `folder`'s parent (the validation folder), so the step's
+    JSON lines (`validation_grid(..., samples_path)`, written after this) index the files too.
+    Returns the GIF paths in sample order."""
+    from diffrl.telemetry.images import save_gif
+
+    if len(rows) != len(pixels_BT3HW):
+        raise ValueError(f"got {len(rows)} sample rows for {len(pixels_BT3HW)} videos")
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, figures = [], []
+    for row, video in zip(rows, pixels_BT3HW, strict=True):
+        path = save_gif(folder / f"{row['index']:03d}_{prompt_slug(row['prompt'])}.gif", video, fps)
+        row["video"] = f"{folder.name}/{path.name}"
+        paths.append(path)
+        verdict = f" · {'pass' if row['correct'] else 'fail'}" if "correct" in row else ""
+        figures.append(
+            f'<figure><img src="{html.escape(path.name)}" alt="sample {row["index"]}">'
+            f"<figcaption>{html.escape(row['prompt'])}<br>#{row['index']} · {html.escape(row['data_source'])}"
+            f" · reward {row['reward']:.4f}{verdict}</figcaption></figure>"
+        )
+    title = html.escape(folder.name)
+    page = (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>validation {title}</title>'
+        "<style>body{font-family:sans-serif}figure{display:inline-block;margin:6px;max-width:440px;"
+        "vertical-align:top}img{max-width:100%}</style></head><body>"
+        f"<h1>validation {title}</h1>\n" + "\n".join(figures) + "\n</body></html>\n"
+    )
+    (folder / "index.html").write_text(page, encoding="utf-8")
+    return paths
+
+
 def read_samples(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -258,6 +310,9 @@ def write_report(run_dir: str | Path) -> str:
         if first != last and all(g.is_file() for g in grids):
             side_by_side(grids, [f"step {first}", f"step {last}"], run_dir / "before_after.png")
             lines.append(f"before/after samples: {run_dir / 'before_after.png'}")
+        videos = run_dir / "validation" / f"step_{last:06d}" / "index.html"
+        if videos.is_file():
+            lines.append(f"validation videos: {videos}")
     curve = {s: m[TRAIN_REWARD] for s, m in steps.items() if TRAIN_REWARD in m}
     if curve or validations:
         window = max(3, round(len(curve) / 5))  # 20 steps: a mean of 4

@@ -1,7 +1,7 @@
 """The places metrics go: console, metrics.jsonl, TensorBoard, Weights & Biases.
 
-Each sink has `log(step, metrics)`, `log_images(step, tag, image_HWC)` and `close(failed)`;
-`RunLogger` validates the values once and fans them out. Files open on a sink's first call, whose
+Each sink has `log(step, metrics)`, `log_images(step, tag, image_HWC)`, `log_videos(step, tag,
+videos)` and `close(failed)`; `RunLogger` validates the values once and fans them out. Files open on a sink's first call, whose
 step starts a new history (see `JsonlSink` and `TensorBoardSink` for what a resume does).
 """
 
@@ -15,7 +15,7 @@ import secrets
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -141,6 +141,9 @@ class ConsoleSink:
 
     def log_images(self, step: int, tag: str, image_HWC: np.ndarray) -> None:
         pass  # images go to TensorBoard / wandb; the trainer saves its PNGs itself
+
+    def log_videos(self, step: int, tag: str, videos: Sequence[tuple[Path, str]]) -> None:
+        pass  # the validation writes the GIFs itself
 
     def close(self, failed: bool = False) -> None:
         elapsed = format_duration(self._clock() - self._opened)
@@ -270,6 +273,9 @@ class JsonlSink:
     def log_images(self, step: int, tag: str, image_HWC: np.ndarray) -> None:
         pass
 
+    def log_videos(self, step: int, tag: str, videos: Sequence[tuple[Path, str]]) -> None:
+        pass
+
     def close(self, failed: bool = False) -> None:
         if self._file is not None:
             self._file.close()
@@ -317,6 +323,11 @@ class TensorBoardSink:
         writer = self._open(step)
         writer.add_image(tag, image_HWC, step, dataformats="HWC")
         writer.flush()
+
+    def log_videos(self, step: int, tag: str, videos: Sequence[tuple[Path, str]]) -> None:
+        # SummaryWriter.add_video encodes with moviepy, which diffrl does not depend on; the grid of
+        # first frames reaches TensorBoard through log_images, the GIFs sit in the run folder.
+        pass
 
     def close(self, failed: bool = False) -> None:
         if self._writer is not None:
@@ -372,6 +383,13 @@ class WandbSink:
 
     def log_images(self, step: int, tag: str, image_HWC: np.ndarray) -> None:
         self.run.log({tag: self._wandb.Image(image_HWC)}, step=step)
+
+    def log_videos(self, step: int, tag: str, videos: Sequence[tuple[Path, str]]) -> None:
+        # wandb.Video takes the GIF file as it is (no re-encoding, no extra package)
+        self.run.log(
+            {tag: [self._wandb.Video(str(path), caption=caption, format="gif") for path, caption in videos]},
+            step=step,
+        )
 
     def close(self, failed: bool = False) -> None:
         if self.run is not None:
