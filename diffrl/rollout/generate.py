@@ -14,6 +14,7 @@ from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout import TrajectorySampler
+from diffrl.telemetry.images import save_gif
 
 
 def default_device() -> str:
@@ -161,5 +162,4 @@ def _save(pixels: torch.Tensor, path: Path, fps: int) -> None:
     if pixels.dim() == 3:  # [3, H, W]
         Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy()).save(path)
         return
-    frames = [Image.fromarray(frame.permute(1, 2, 0).cpu().numpy()) for frame in pixels]  # [T, 3, H, W]
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    save_gif(path, pixels, fps)  # [T, 3, H, W]
