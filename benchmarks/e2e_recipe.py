@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from run_metrics import summarise_run  # noqa: E402
+
 YAML = HERE / "sd35_medium_jpeg.yaml"
 
 COMMON = [
@@ -122,37 +124,7 @@ def run_recipe(name: str, model: Path, out: Path, args: argparse.Namespace) -> d
     start = time.perf_counter()
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "timing_s/step" in r]
-    measured = records[args.warmup :]
-    if not measured:
-        raise ValueError(f"no measured steps: --steps must be >= 1 (got {args.steps})")
-
-    def mean(key: str) -> float | None:
-        values = [r[key] for r in measured if key in r]
-        return statistics.fmean(values) if values else None
-
-    images = round(measured[0]["timing_s/step"] * measured[0]["throughput/images_per_s_per_gpu"])
-    phases = [k.removeprefix("timing_s/") for k in measured[0] if k.startswith("timing_s/")]
-    phases = [p for p in phases if p not in ("step", "checkpoint", "validation")]
-    step_s = mean("timing_s/step")
-    result = {
-        "images_per_step": images,
-        "images_per_s_per_gpu": images / step_s,
-        "step_s": step_s,
-        "step_s_each": [round(r["timing_s/step"], 3) for r in records],
-        "per_image_s": {p: mean(f"timing_per_image_s/{p}") for p in phases},
-        "mfu": {p: mean(f"perf/mfu/{p}") for p in [*phases, "step"] if mean(f"perf/mfu/{p}") is not None},
-        "peak_mem_gib": max(
-            (r["perf/max_memory_allocated_gb"] for r in measured if "perf/max_memory_allocated_gb" in r),
-            default=None,
-        ),
-        "compile_s": records[0]["timing_s/step"] - statistics.median(r["timing_s/step"] for r in measured),
-        "old_log_probs_recomputed": "timing_s/old_log_prob" in measured[0],
-        "loss": [r.get("actor/loss") for r in records],
-        "wall_s": wall,
-    }
-    return result
+    return {**summarise_run(run_dir, args.warmup), "wall_s": wall}
 
 
 def main() -> None:
