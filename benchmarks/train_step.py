@@ -45,6 +45,20 @@ from diffrl.train.engine import TrainEngine
 H100_BF16_DENSE_TFLOPS = 989.0
 
 
+def write_profile(step, path: Path, cuda: bool) -> None:
+    """One more step under torch.profiler: its kernels by total device time, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -62,6 +76,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
+    parser.add_argument(
+        "--lora-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype the LoRA weights are held and computed in (the engine keeps fp32 master weights)",
+    )
+    parser.add_argument("--autocast", action="store_true", help="run the step under bf16 autocast")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="write a torch.profiler table of one step here"
+    )
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -112,18 +136,23 @@ def main() -> None:
         ),
         total_optim_steps=100,
     )
+    if args.lora_dtype != "float32":
+        from diffusers.training_utils import cast_training_params
+
+        cast_training_params(adapter.transformer, getattr(torch, args.lora_dtype))
     if args.compile:
         adapter.compile_blocks()
     micro_batches = [
         shard.select(slice(s, s + args.micro_batch)) for s in range(0, per_rank, args.micro_batch)
     ]
 
+    cuda = device != "cpu"
+
     def step():
-        metrics = engine.forward_backward(micro_batches)
+        with torch.autocast(device.type if cuda else "cpu", dtype=torch.bfloat16, enabled=args.autocast):
+            metrics = engine.forward_backward(micro_batches)
         metrics.update(engine.optim_step())
         return metrics
-
-    cuda = device != "cpu"
 
     def timed():
         if cuda:
@@ -139,6 +168,8 @@ def main() -> None:
     first, warmup_s = timed()
     runs = [timed() for _ in range(args.repeats)]
     seconds = min(t for _, t in runs)
+    if args.profile is not None and rank == 0:
+        write_profile(step, args.profile, cuda)
     forward_flops = (
         adapter.flops_per_forward(2 * per_rank, size, size, TEXT_TOKENS) * args.window
     )  # CFG pairs
@@ -158,6 +189,8 @@ def main() -> None:
                     "window": args.window,
                     "size": size,
                     "lora_rank": 32,
+                    "lora_dtype": args.lora_dtype,
+                    "autocast": args.autocast,
                     # per optimizer step: the 1-GPU and FSDP2 runs must agree (same global batch)
                     "losses": [first["loss"]] + [m["loss"] for m, _ in runs],
                     "grad_norms": [first["grad_norm"]] + [m["grad_norm"] for m, _ in runs],

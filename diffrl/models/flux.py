@@ -183,7 +183,7 @@ class FluxAdapter(ModelAdapter):
         # encode_prompt's text ids: zeros [L, 3] (all text tokens share position 0).
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
 
-        out = self.transformer(
+        out = self.run_transformer(
             hidden_states=hidden,
             timestep=timestep / 1000,
             guidance=guidance,

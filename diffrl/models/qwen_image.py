@@ -223,7 +223,7 @@ class QwenImageAdapter(ModelAdapter):
             timestep = torch.cat([timestep, timestep])
         else:
             encoder_hidden_states, encoder_mask = cond.embeds, cond.mask
-        noise_pred = self.transformer(
+        noise_pred = self.run_transformer(
             hidden_states=hidden_states,
             timestep=timestep / 1000,
             guidance=None,

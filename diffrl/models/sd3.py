@@ -168,7 +168,7 @@ class SD3Adapter(ModelAdapter):
             timestep_B = torch.cat([timestep_B, timestep_B])
             embeds = torch.cat([cond.negative_embeds, embeds])
             pooled = torch.cat([cond.negative_pooled, pooled])
-        out = self.transformer(
+        out = self.run_transformer(
             hidden_states=x,
             timestep=timestep_B,
             encoder_hidden_states=embeds.to(self.device, self.dtype),

@@ -158,7 +158,7 @@ class WanAdapter(ModelAdapter):
             hidden = torch.cat([hidden, hidden])
             timestep = torch.cat([timestep, timestep])
             embeds = torch.cat([negative, embeds])
-        out = self.transformer(
+        out = self.run_transformer(
             hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
         )[0].float()
         if not cfg:

@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from diffusers.training_utils import cast_training_params
 from peft import LoraConfig as PeftLoraConfig
 
 from diffrl.config.schema import LoraConfig
@@ -16,7 +17,7 @@ from diffrl.seeding import LORA_INIT_STREAM, derive_seed
 def inject_lora(adapter: ModelAdapter, lora: LoraConfig, names: Sequence[str], seed: int = 0) -> list[str]:
     """Add one LoRA adapter per name (same config each) and make the first the active, trained one.
 
-    Target modules default to the family's declared list. The random initialisation draws from a
+    Target modules default to the family's declared list. The trained adapter's weights are fp32. The random initialisation draws from a
     generator seeded by `seed` (peft draws from torch's global RNG, so it is forked around it). Returns the target module names. The
     trainer and a separate rollout worker call this with the same config, so their parameter
     names match and weights can be streamed between them.
@@ -42,4 +43,8 @@ def inject_lora(adapter: ModelAdapter, lora: LoraConfig, names: Sequence[str], s
                     f"cannot add LoRA adapter {name!r} with target modules {targets}: {err}"
                 ) from None
     adapter.transformer.set_adapter(names[0])  # only the active adapter's tensors require grad
+    # fp32 weights for the trained adapter (AdamW's master weights; diffusers creates them in the
+    # base dtype), computed in the model's dtype (ModelAdapter.run_transformer)
+    cast_training_params(adapter.transformer, torch.float32)
+    adapter.lora_autocast = adapter.dtype in (torch.bfloat16, torch.float16)
     return targets

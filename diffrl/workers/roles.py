@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers.training_utils import cast_training_params
 
 from diffrl.config.schema import Config
 from diffrl.models import load_model
@@ -112,8 +111,6 @@ class RolloutWorker:
                 inject_lora(
                     adapter, cfg.model.lora, [POLICY, OLD] if with_old else [POLICY], seed=cfg.trainer.seed
                 )
-                # the trainer keeps fp32 LoRA weights: the same dtypes, so they stream in 1:1
-                cast_training_params(adapter.transformer, torch.float32)
             adapter.transformer.requires_grad_(False)
             if cfg.model.compile:
                 adapter.compile_blocks()
@@ -291,6 +288,10 @@ class ActorWorker:
         )
         if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
             adapter.compile_blocks()
+        from diffrl.train.sequence_parallel import for_training
+
+        # Ulysses SP (None at size 1): attached only while training, so the module samples without it
+        self._sequence_parallel = for_training(adapter, cfg)
         self._text_len = 0
         self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
         self._staged: Rollout | None = None  # the step's rollout (`stage`)
@@ -304,9 +305,11 @@ class ActorWorker:
     ):
         if micro_batches:  # the prompt length this step trains with, for `phase_flops`
             self._text_len = micro_batches[0].rollout.prompt_embeds.embeds.shape[1]
-        return self.engine.forward_backward(
-            _to_device(micro_batches, self.engine.adapter.device), window_steps
-        )
+        sp = self._sequence_parallel
+        with sp.active() if sp is not None else nullcontext():
+            return self.engine.forward_backward(
+                _to_device(micro_batches, self.engine.adapter.device), window_steps
+            )
 
     def flow_matching_backward(self, shard: ImageShard, *, seed: int, step: int) -> dict[str, float]:
         """Accumulate the supervised flow-matching gradient of a shard of images (`diffrl sft`);
@@ -314,6 +317,8 @@ class ActorWorker:
         from diffrl.algos.sft_batch import supervised_draws, training_sigmas
         from diffrl.train.engine import FlowMatchingBatch
 
+        if self._sequence_parallel is not None:
+            raise ValueError("diffrl sft does not run sequence-parallel: set actor.sequence_parallel_size=1")
         cfg, adapter = self.cfg, self.engine.adapter
         height, width = int(shard.pixels.shape[-2]), int(shard.pixels.shape[-1])
         if self._training_sigmas is None:
