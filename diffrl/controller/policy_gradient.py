@@ -141,10 +141,13 @@ class PolicyGradientTrainer(TrainingLoop):
         split over the workers in micro-batches of staged rows; metrics averaged over the
         optimizer steps."""
         world, micro = self.workers.size, self.cfg.actor.micro_batch_size
+        sp = self.cfg.actor.sequence_parallel_size
         sums: dict[str, float] = defaultdict(float)
         count = 0
         for mini in mini_batches(self.cfg, images // self.cfg.rollout.n, self.step):
-            results = self.workers.scatter("staged_forward_backward", mini.shards(world, micro))
+            # the sp consecutive ranks of one sequence-parallel group train the same rows
+            shards = [shard for shard in mini.shards(world // sp, micro) for _ in range(sp)]
+            results = self.workers.scatter("staged_forward_backward", shards)
             step_metrics = self.workers.call("optim_step")[0]
             for key, value in {**results[0], **step_metrics}.items():
                 sums[f"actor/{key}"] += value

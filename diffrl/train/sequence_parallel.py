@@ -265,4 +265,43 @@ class UlyssesSequenceParallel:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
 
-__all__ = ["MESH_DIMS", "UlyssesSequenceParallel", "check_ulysses_supported", "sequence_parallel_mesh"]
+def for_training(adapter, cfg) -> UlyssesSequenceParallel | None:
+    """The training engine's SP (None for `actor.sequence_parallel_size` 1), set up on every rank.
+
+    Call after the `TrainEngine` is built (LoRA injected, transformer sharded). Sets FSDP2's
+    reduction to sum over each SP group; the caller attaches it (`active()`) around the training
+    forwards and backwards only, and the controller hands the ranks of one SP group the same
+    micro-batches (`diffrl.controller.policy_gradient`).
+    """
+    from diffrl.config.schema import POLICY_GRADIENT
+
+    size = cfg.actor.sequence_parallel_size
+    if size == 1:
+        return None
+    if cfg.algorithm.trainer_type != POLICY_GRADIENT:
+        raise ValueError(
+            f"actor.sequence_parallel_size={size} is wired for the policy-gradient loop only, not "
+            f"algorithm.trainer_type={cfg.algorithm.trainer_type}: set actor.sequence_parallel_size=1"
+        )
+    if not adapter.is_video:
+        raise ValueError(
+            f"actor.sequence_parallel_size={size} splits video tokens; {type(adapter).__name__} is an "
+            "image model: set actor.sequence_parallel_size=1"
+        )
+    if cfg.actor.strategy != "fsdp2" or not dist.is_initialized():
+        raise ValueError(
+            f"actor.sequence_parallel_size={size} needs actor.strategy=fsdp2 over several workers "
+            f"(trainer.n_gpus_per_node × trainer.nnodes a multiple of {size})"
+        )
+    sp = UlyssesSequenceParallel(adapter.transformer, sequence_parallel_mesh(size))
+    sp.reduce_gradients_with_fsdp()
+    return sp
+
+
+__all__ = [
+    "MESH_DIMS",
+    "UlyssesSequenceParallel",
+    "check_ulysses_supported",
+    "for_training",
+    "sequence_parallel_mesh",
+]
