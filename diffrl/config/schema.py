@@ -328,8 +328,9 @@ class ActorConfig:
     micro_batch_size: int = 8  # trajectories per forward/backward, per worker
     epochs: int = 1  # passes over each step's rollouts
     shuffle: bool = True  # shuffle prompt groups across mini-batches
-    param_offload: bool = False
-    optimizer_offload: bool = False
+    param_offload: bool = False  # FSDP2's CPUOffloadPolicy: sharded weights, grads, AdamW in host memory
+    optimizer_offload: bool = False  # AdamW state in host memory, on the device only for optimizer.step()
+    activation_offload: bool = False  # tensors saved for backward wait in host memory (save_on_cpu)
     # ranks that split one sample's video tokens (Ulysses; docs/training.md "Sequence parallel")
     sequence_parallel_size: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -342,6 +343,13 @@ class ActorConfig:
         require_at_least(f"{at}.mini_batch_size", self.mini_batch_size, 1)
         require_at_least(f"{at}.micro_batch_size", self.micro_batch_size, 1)
         require_at_least(f"{at}.epochs", self.epochs, 1)
+        require(
+            not (self.optimizer_offload and self.param_offload),
+            f"{at}.optimizer_offload",
+            self.optimizer_offload,
+            f"is redundant with {at}.param_offload=true, which already keeps the optimizer state (and runs "
+            "its step) in host memory: set one of them to false",
+        )
         require_at_least(f"{at}.sequence_parallel_size", self.sequence_parallel_size, 1)
         self.optim.validate(f"{at}.optim")
         self.loss.validate(f"{at}.loss")

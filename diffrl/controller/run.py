@@ -197,7 +197,6 @@ def probe_scorers(specs: Sequence[Any]) -> None:
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
     _check_trainer_type(cfg)
-    _reject_planned_keys(cfg)
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
@@ -254,20 +253,6 @@ def _check_direct_preference(cfg: Config) -> None:
             f"actor.loss.mode={mode} needs an `old` adapter, which exists only with LoRA: set "
             "model.lora.rank > 0"
         )
-
-
-def _reject_planned_keys(cfg: Config) -> None:
-    """Keys the schema already has but `diffrl train` does not implement yet: a changed value must
-    not be silently ignored."""
-    defaults = Config()
-    planned = {
-        "actor.optimizer_offload": (cfg.actor.optimizer_offload, defaults.actor.optimizer_offload),
-    }
-    for key, (value, default) in planned.items():
-        if value != default:
-            raise ConfigError(
-                f"{key}={value!r} is not implemented by diffrl train yet: leave it at its default ({default!r})"
-            )
 
 
 def find_checkpoint(cfg: Config, run_dir: Path) -> Path | None:

@@ -20,6 +20,13 @@ the whole transformer trains and the reference, when KL needs it, is a frozen co
 
 The same engine runs on one CPU, one GPU, or sharded with FSDP2 over a process group (one engine
 per rank, each on its own micro-batches; FSDP averages gradients across ranks).
+
+Memory (docs/performance.md, "Memory: offload options"): `to(device, model=, optimizer=, grad=)`
+moves the transformer, the AdamW state and the gradients between host and accelerator by hand;
+`actor.optimizer_offload` keeps the AdamW state in host memory except during `optimizer.step()`;
+`actor.activation_offload` keeps what autograd saves for backward in pinned host memory
+(`torch.autograd.graph.save_on_cpu`) during the training forwards; `actor.param_offload` is
+FSDP2's own CPU offload (diffrl.train.fsdp).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import copy
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,6 +132,8 @@ class TrainEngine:
         self.lora = model_cfg.lora.rank > 0
         self.optim_steps = 0
         self.skipped_steps = 0
+        # The accelerator this engine trains on ("device" in `to`); the CPU for a CPU run.
+        self.device = torch.device(adapter.device)
         transformer = adapter.transformer
         transformer.train()
 
@@ -254,12 +263,16 @@ class TrainEngine:
         term's forward) at grad_scale 0 and metric_weight None: a forward and backward over real
         data, so every collective happens, adding an exact zero to the gradient and nothing to
         the metrics.
+
+        With `actor.activation_offload` each forward runs under `save_on_cpu`: what autograd saves
+        for backward goes to pinned host memory and comes back when backward needs it.
         """
         terms = self._pad_to_peers(terms, padding)
         sums: dict[str, float] = defaultdict(float)
         for index, term in enumerate(terms):
             self._sync_gradients(index == len(terms) - 1)
-            loss, metrics = term.forward()
+            with self._saved_tensors_offload():
+                loss, metrics = term.forward()
             (loss * term.grad_scale).backward()
             if term.metric_weight is None:
                 continue
@@ -362,7 +375,10 @@ class TrainEngine:
         return self._reduce(self.accumulate(terms, metrics_divisor=count))
 
     def optim_step(self) -> dict[str, float]:
-        """Clip, then step, unless the gradient norm is not finite: then skip, count and log it."""
+        """Clip, then step, unless the gradient norm is not finite: then skip, count and log it.
+
+        With `actor.optimizer_offload` the AdamW state comes to the device for the step and goes
+        back to host memory right after it (the first step creates it on the device, then)."""
         clip = self.cfg.optim.clip_grad
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
@@ -373,7 +389,8 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
-        self.optimizer.step()
+        with self._optimizer_on_device():
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optim_steps += 1
@@ -390,27 +407,31 @@ class TrainEngine:
         from diffrl.train.checkpoint import save_checkpoint
 
         extra = {**extra, "optim_steps": self.optim_steps, "skipped_steps": self.skipped_steps}
-        return save_checkpoint(
-            Path(root),
-            step,
-            model=self.transformer,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            trainable_only=self.lora,
-            extra=extra,
-            keep_last=keep_last,
-        )
+        # The checkpoint code sees the optimizer state where it lives without offload, so an
+        # offloaded run writes the same checkpoint (its peak is the optimizer step's, no more).
+        with self._optimizer_on_device():
+            return save_checkpoint(
+                Path(root),
+                step,
+                model=self.transformer,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                trainable_only=self.lora,
+                extra=extra,
+                keep_last=keep_last,
+            )
 
     def load(self, path: str | Path) -> dict:
         from diffrl.train.checkpoint import load_checkpoint
 
-        extra = load_checkpoint(
-            Path(path),
-            model=self.transformer,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            trainable_only=self.lora,
-        )
+        with self._optimizer_on_device():
+            extra = load_checkpoint(
+                Path(path),
+                model=self.transformer,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                trainable_only=self.lora,
+            )
         self.optim_steps = int(extra.pop("optim_steps", 0))
         self.skipped_steps = int(extra.pop("skipped_steps", 0))
         return extra
@@ -424,6 +445,108 @@ class TrainEngine:
             self.transformer, Path(out_dir), pipeline_class=type(self.adapter.pipe), adapter_name=adapter_name
         )
         return Path(out_dir)
+
+    # ------------------------------------------------------------------------------ memory
+    def to(self, device: str, *, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """Load to or offload from the accelerator by hand: `device` is "cpu" or "device" (the
+        accelerator this engine trains on; the CPU in a CPU run).
+
+        model:     every parameter and buffer of the transformer, and of the frozen reference copy
+                   (full fine-tuning with KL); FSDP2 modules move their local shards (`module.to`,
+                   which FSDP2 supports), plain modules their tensors; parameters stay the same
+                   objects, so the optimizer keeps referring to them
+        optimizer: the AdamW state tensors (exp_avg, exp_avg_sq); the scalar step counter stays
+                   where AdamW keeps it
+        grad:      the `.grad` tensors. torch keeps a gradient on its parameter's device, so they
+                   move with the parameters: model=True with grad=False, or grad=True without the
+                   model, raises while gradients exist that would have to part from their
+                   parameters (between optimizer steps there are none: `optim_step` frees them)
+
+        Safe to call when everything is already there (nothing moves). Offloading then returns
+        the freed blocks of torch's caching allocator to the device (`empty_cache`). Load the
+        model back before the next forward. With `actor.param_offload` FSDP2's offload policy
+        owns where the transformer's shards, gradients and optimizer state live (host memory),
+        and `to` leaves them there.
+        """
+        target = self._target_device(device)
+        if model or grad:
+            self._check_gradients_follow(target, model=model, grad=grad)
+        if model:
+            for module in self._model_modules():
+                if any(t.device != target for t in (*module.parameters(), *module.buffers())):
+                    module.to(target)
+        if optimizer:
+            self._move_optimizer_state(target)
+        self._release_cached_memory()
+
+    def _target_device(self, device: str) -> torch.device:
+        if device == "cpu":
+            return torch.device("cpu")
+        if device == "device":
+            return self.device
+        raise ValueError(f"TrainEngine.to({device!r}): device must be 'cpu' or 'device' (the accelerator)")
+
+    def _model_modules(self) -> list[torch.nn.Module]:
+        """The modules whose tensors `to(model=True)` moves (the transformer's stay with param_offload)."""
+        modules = [] if self.cfg.param_offload else [self.transformer]
+        return modules if self.reference is None else [*modules, self.reference]
+
+    def _check_gradients_follow(self, target: torch.device, *, model: bool, grad: bool) -> None:
+        if model == grad:
+            return
+        stranded = [
+            name
+            for module in self._model_modules()
+            for name, p in module.named_parameters()
+            if p.grad is not None and p.grad.device != target
+        ]
+        if stranded:
+            raise ValueError(
+                f"TrainEngine.to(model={model}, grad={grad}): {len(stranded)} gradients (e.g. {stranded[0]!r}) "
+                "would have to live apart from their parameters, which torch does not allow: pass "
+                "model=True and grad=True together, or call it after optim_step (no gradients then)"
+            )
+
+    def _move_optimizer_state(self, target: torch.device) -> bool:
+        """Move every non-scalar AdamW state tensor to `target`; True when anything moved."""
+        moved = False
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # 0-d tensors are the step counts, which AdamW keeps on the CPU unless fused or
+                # capturable (then on the device): leaving them in place suits both.
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != target:
+                    # to the CPU: into pinned memory, asynchronously (synchronised below); back:
+                    # from that pinned memory, ordered before the step's kernels on the stream
+                    state[key] = value.to(target, non_blocking=True)
+                    moved = True
+        if moved and target.type == "cpu" and self.device.type == "cuda":
+            # the host must not read the copies (a checkpoint, the next load) before they land
+            torch.cuda.synchronize(self.device)
+        return moved
+
+    @contextmanager
+    def _optimizer_on_device(self) -> Iterator[None]:
+        """With `actor.optimizer_offload`: the AdamW state on the device inside, in host memory after."""
+        if not self.cfg.optimizer_offload:
+            yield
+            return
+        self._move_optimizer_state(self.device)
+        try:
+            yield
+        finally:
+            if self._move_optimizer_state(torch.device("cpu")):
+                self._release_cached_memory()
+
+    def _saved_tensors_offload(self):
+        """The context of one training forward: with `actor.activation_offload` torch's own
+        `save_on_cpu` (what autograd saves goes to pinned host memory until backward)."""
+        if not self.cfg.activation_offload:
+            return nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    def _release_cached_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------ internals
     def _pad_to_peers(

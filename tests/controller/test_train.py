@@ -176,20 +176,6 @@ def test_preset_typo(capsys):
     assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("actor.optimizer_offload=true", r"actor\.optimizer_offload=True is not implemented"),
-    ],
-)
-def test_planned_keys_are_rejected_not_ignored(tmp_path, override, message):
-    from diffrl.config import ConfigError
-
-    with pytest.raises(ConfigError, match=message):
-        train("tiny_sd3", [f"trainer.output_dir={tmp_path}", "trainer.run_name=x", override])
-    assert not (tmp_path / "x").exists()
-
-
 def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch):
     """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), shrunk
     to two small steps: it completes, validates before and after, and writes the report."""
