@@ -140,3 +140,33 @@ def test_run_logger_sends_gifs_to_wandb(tmp_path, monkeypatch):
     # wandb copies the GIF, byte for byte, into the run's media
     copies = list(run_dir.rglob("*.gif"))
     assert copies and copies[0].read_bytes() == gif.read_bytes()
+
+
+def test_the_480p_video_preset_runs_a_step_at_a_tiny_size(tmp_path, monkeypatch):
+    """wan21_t2v_1_3b_video's own settings (its prompt files, gradient checkpointing, one colocated
+    worker, 4 of each video's frames scored) for one step, with the tiny Wan and the offline JPEG
+    reward in place of the real model and CLIP."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    overrides = [
+        "model.path=tiny:wan",
+        "model.dtype=float32",
+        "rollout.pipeline.height=16",
+        "rollout.pipeline.width=16",
+        "rollout.pipeline.num_frames=5",
+        "rollout.pipeline.num_inference_steps=4",
+        "rollout.pipeline.max_sequence_length=16",
+        "rollout.sde.window_range=[0,3]",
+        "reward.functions=!replace {jpeg_compressibility: {video_frames: 4}}",
+        "trainer.total_steps=1",
+        "trainer.save_freq=0",
+        "trainer.test_freq=1",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=p480",
+    ]
+    assert main(["train", "wan21_t2v_1_3b_video", *overrides]) == 0
+    metrics = read_metrics(tmp_path / "p480" / "metrics.jsonl")
+    assert math.isfinite(metrics[1]["actor/loss"]) and math.isfinite(metrics[1]["val/rewards/mean"])
+    gifs = sorted((tmp_path / "p480" / "validation" / "step_000001").glob("*.gif"))
+    assert len(gifs) == 4  # one per prompt of video_prompts_val.txt
