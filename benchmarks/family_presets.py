@@ -1,0 +1,217 @@
+"""A family preset's recipe on one GPU, on a full-size random pipeline: one JSON line.
+
+Runs `diffrl.controller.run.train` (the real machinery: config, preflight, worker, sampler,
+reward, advantages, engine) with the preset's recipe (resolution, frames, steps, guidance, SDE
+window, LoRA, loss, micro-batches, compile) and these changes, all listed in the JSON's
+`overrides`:
+
+- one GPU: `actor.strategy=none`, `trainer.n_gpus_per_node=1`. The batch is the preset's share of
+  one GPU: `data.prompts_per_step` and `actor.mini_batch_size` divided by the preset's GPU count
+  (so each optimizer step sees what one of the preset's GPUs sees); `--global-batch` keeps the
+  preset's whole batch instead;
+- the model: a random pipeline of the family's real architecture (`random_pipelines.py`), built
+  under /tmp if absent;
+- the reward: `jpeg_compressibility` (needs no external model) instead of the preset's
+  PickScore / OCR / CLIP, on one CPU reward worker. The reward's own cost is then not measured;
+- data: the built-in `simple_prompts.txt`; no checkpoints, no validation.
+
+The first `--warmup` steps (compilation) are excluded, the rest averaged (`run_metrics.py`). A
+"sample" (`images_per_*`, `per_image_s`) is one trajectory: an image, or a video for Wan.
+
+    python benchmarks/family_presets.py --family flux_dev                 # FLUX.1-dev LoRA, 3 steps
+    python benchmarks/family_presets.py --family qwen_image --preset all  # the 3 Qwen-Image presets
+    python benchmarks/family_presets.py --family wan21_1_3b --layers 1 --device cpu \\
+        --set rollout.pipeline.height=64 rollout.pipeline.width=64 ...    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from run_metrics import summarise_run  # noqa: E402
+
+#: family -> (its random pipeline, its presets: the first is the default)
+FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "flux_dev": ("flux_dev", ("flux_dev_lora",)),
+    "qwen_image": ("qwen_image", ("qwen_image_ocr", "qwen_image_dpo", "qwen_image_flow_dppo")),
+    "wan21_1_3b": ("wan21_1_3b", ("wan21_t2v_1_3b_lora",)),
+}
+REWARD = "jpeg_compressibility"
+PROMPTS = "builtin:simple_prompts.txt"
+MODELS_DIR = Path("/tmp/diffrl_random")
+
+
+def default_model_dir(family: str, layers: int | None) -> Path:
+    pipeline = FAMILIES[family][0]
+    return MODELS_DIR / (pipeline if layers is None else f"{pipeline}-layers{layers}")
+
+
+def build_model(family: str, path: Path, layers: int | None, device: str) -> None:
+    """The family's random pipeline at `path` unless one is there."""
+    if (path / "model_index.json").exists():
+        print(f"using the pipeline at {path}", file=sys.stderr, flush=True)
+        return
+    import random_pipelines
+
+    # Its progress goes to stderr: stdout carries only this script's JSON line.
+    argv = [FAMILIES[family][0], str(path), "--device", device]
+    if layers is not None:
+        argv += ["--layers", str(layers)]
+    stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        random_pipelines.main(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def one_gpu_overrides(preset: str, global_batch: bool) -> list[str]:
+    """The changes that run `preset` on one GPU with a reward that needs no model (module docstring)."""
+    from diffrl.config.loader import load_config
+
+    cfg = load_config(preset)
+    gpus = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    prompts, mini = cfg.data.prompts_per_step, cfg.actor.mini_batch_size
+    if not global_batch:
+        if prompts % gpus or mini % gpus:
+            raise ValueError(
+                f"{preset}: data.prompts_per_step={prompts} or actor.mini_batch_size={mini} does not "
+                f"split over its {gpus} GPUs; pass --global-batch or set them with --set"
+            )
+        prompts, mini = prompts // gpus, mini // gpus
+    return [
+        "actor.strategy=none",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"data.prompts_per_step={prompts}",
+        f"actor.mini_batch_size={mini}",
+        f"reward.functions=!replace {{{REWARD}: {{weight: 1.0}}}}",
+        "reward.workers=1",
+        "reward.gpus_per_worker=0",
+        f"data.train_files=[{PROMPTS}]",
+        "data.val_files=[]",
+        "trainer.save_freq=0",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+    ]
+
+
+def run_preset(preset: str, model: Path, out: Path, args: argparse.Namespace) -> dict:
+    from diffrl.config.loader import load_config
+    from diffrl.controller.run import train
+
+    overrides = [
+        f"model.path={model}",
+        *one_gpu_overrides(preset, args.global_batch),
+        f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={out}",
+        f"trainer.run_name={preset}",
+        *args.set,
+    ]
+    cfg = load_config(preset, overrides)
+    start = time.perf_counter()
+    run_dir = train(preset, overrides)
+    wall = time.perf_counter() - start
+    return {
+        "preset": preset,
+        "sample_kind": "video" if cfg.rollout.pipeline.num_frames > 1 else "image",
+        "samples_per_step": cfg.images_per_step,
+        "resolution": [
+            cfg.rollout.pipeline.height,
+            cfg.rollout.pipeline.width,
+            cfg.rollout.pipeline.num_frames,
+        ],
+        **summarise_run(run_dir, args.warmup),
+        "wall_s": wall,
+        "overrides": overrides,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--family", choices=list(FAMILIES), required=True)
+    parser.add_argument(
+        "--preset", default=None, help="one of the family's presets, or 'all' (default: the first)"
+    )
+    parser.add_argument("--steps", type=int, default=3, help="training steps, warm-up included")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="steps excluded from the averages (compilation)"
+    )
+    parser.add_argument("--model", type=Path, default=None, help="pipeline directory (built if absent)")
+    parser.add_argument("--layers", type=int, default=None, help="build with fewer blocks (CPU smoke runs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--global-batch", action="store_true", help="keep the preset's whole batch on one GPU"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="run directories (default: a temp dir)")
+    parser.add_argument(
+        "--remove-model", action="store_true", help="delete the pipeline directory at the end"
+    )
+    parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, applied last")
+    args = parser.parse_args()
+
+    presets = FAMILIES[args.family][1]
+    preset = args.preset or presets[0]
+    if preset != "all" and preset not in presets:
+        parser.error(
+            f"--preset {preset!r} is not a {args.family} preset; choose from {', '.join(presets)} or all"
+        )
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: nothing would be measured")
+    out = args.out or Path(tempfile.mkdtemp(prefix="family_presets_"))
+    model = args.model or default_model_dir(args.family, args.layers)
+    build_model(args.family, model, args.layers, args.device)
+    try:
+        if preset == "all":
+            # Each preset in its own process: compiled graphs, dynamo's caches and the CUDA
+            # allocator of one preset must not carry over into the next one's numbers.
+            results = {}
+            for name in presets:
+                cmd = [sys.executable, __file__, "--family", args.family, "--preset", name]
+                cmd += ["--model", str(model), "--out", str(out), "--device", args.device]
+                cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+                cmd += ["--global-batch"] if args.global_batch else []
+                cmd += ["--set", *args.set] if args.set else []
+                done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+                results[name] = json.loads(done.stdout.strip().splitlines()[-1])["results"][name]
+        else:
+            results = {preset: run_preset(preset, model, out, args)}
+    finally:
+        if args.remove_model:
+            shutil.rmtree(model, ignore_errors=True)
+    cuda = torch.cuda.is_available()
+    print(
+        json.dumps(
+            {
+                "bench": "family_presets",
+                "family": args.family,
+                "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "torch": torch.__version__,
+                "model": str(model),
+                "model_layers": args.layers,
+                "reward": f"{REWARD} (stands in for the preset's reward: it needs no external model)",
+                "data": PROMPTS,
+                "batch": "the preset's whole batch" if args.global_batch else "the preset's per-GPU share",
+                "warmup_steps": args.warmup,
+                "measured_steps": args.steps - args.warmup,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
