@@ -12,7 +12,8 @@ window, LoRA, loss, micro-batches, compile) and these changes, all listed in the
 - the model: a random pipeline of the family's real architecture (`random_pipelines.py`), built
   under /tmp if absent;
 - the reward: `jpeg_compressibility` (needs no external model) instead of the preset's
-  PickScore / OCR / CLIP, on one CPU reward worker. The reward's own cost is then not measured;
+  PickScore / OCR / CLIP, on one CPU reward worker, on the same video frames as the preset's
+  reward. The reward's own cost is then not measured;
 - data: the built-in `simple_prompts.txt`; no checkpoints, no validation.
 
 The first `--warmup` steps (compilation) are excluded, the rest averaged (`run_metrics.py`). A
@@ -45,7 +46,7 @@ from run_metrics import summarise_run  # noqa: E402
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "flux_dev": ("flux_dev", ("flux_dev_lora",)),
     "qwen_image": ("qwen_image", ("qwen_image_ocr", "qwen_image_dpo", "qwen_image_flow_dppo")),
-    "wan21_1_3b": ("wan21_1_3b", ("wan21_t2v_1_3b_lora",)),
+    "wan21_1_3b": ("wan21_1_3b", ("wan21_t2v_1_3b_lora", "wan21_t2v_1_3b_video")),
 }
 REWARD = "jpeg_compressibility"
 PROMPTS = "builtin:simple_prompts.txt"
@@ -89,13 +90,16 @@ def one_gpu_overrides(preset: str, global_batch: bool) -> list[str]:
                 f"split over its {gpus} GPUs; pass --global-batch or set them with --set"
             )
         prompts, mini = prompts // gpus, mini // gpus
+    # Video presets score a few frames per video; the stand-in reward scores the same frames.
+    frames = {fn.video_frames for fn in cfg.reward.functions.values()} - {None}
+    video_frames = f", video_frames: {min(frames)}" if frames else ""
     return [
         "actor.strategy=none",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
         f"data.prompts_per_step={prompts}",
         f"actor.mini_batch_size={mini}",
-        f"reward.functions=!replace {{{REWARD}: {{weight: 1.0}}}}",
+        f"reward.functions=!replace {{{REWARD}: {{weight: 1.0{video_frames}}}}}",
         "reward.workers=1",
         "reward.gpus_per_worker=0",
         f"data.train_files=[{PROMPTS}]",
