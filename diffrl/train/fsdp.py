@@ -41,6 +41,12 @@ A frozen reference transformer (full fine-tuning with a KL term) can be sharded 
 call: with no trainable parameter FSDP2 only all-gathers for forward. Under `torch.no_grad()`
 the root keeps its (small) parameters gathered after forward, as FSDP2 does for any root.
 
+Moving a sharded module between host and accelerator (`TrainEngine.to`) is `module.to(device)`:
+FSDP2's `FSDPModule._apply` reshards first, moves each DTensor parameter's local shard (and its
+gradient) keeping the parameter object, so an optimizer built over them stays valid, and then
+re-registers the moved shards. The mesh keeps its device; gather the module back before its next
+forward. Under `cpu_offload` the offload policy decides where the shards live instead.
+
 Activation checkpointing (`enable_activation_checkpointing`) uses the transformer's own
 mechanism: diffusers models have `enable_gradient_checkpointing()`, which makes the model's
 forward loop call each block through `torch.utils.checkpoint` (non-reentrant). It needs no
