@@ -456,7 +456,8 @@ def test_gpu_fsdp2_engine_moves_its_shards(tiny_model, monkeypatch):
         assert ("optim", "cuda") not in devices(engine) and ("optim", "cpu") in devices(engine)
         engine.flow_matching_backward(batches, "none")
         before = snapshot(engine)
-        local = [p.to_local() for p in engine.transformer.parameters()]
+        params = list(engine.transformer.parameters())
+        local = [p.to_local() for p in params]
         moved_bytes = _cuda_bytes(local) + _cuda_bytes(p.grad.to_local() for p in engine.params)
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated()
@@ -465,6 +466,7 @@ def test_gpu_fsdp2_engine_moves_its_shards(tiny_model, monkeypatch):
         assert allocated - torch.cuda.memory_allocated() >= 0.99 * moved_bytes
         engine.to("device")
         assert devices(engine) == {("param", "cuda"), ("grad", "cuda"), ("optim", "cuda")}
+        assert all(a is b for a, b in zip(params, engine.transformer.parameters(), strict=True))
         assert_bitwise_equal(before, snapshot(engine))
         engine.optim_step()  # the sharded engine trains after the round trip, and offloads again
         assert ("optim", "cuda") not in devices(engine)
