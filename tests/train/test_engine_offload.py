@@ -390,8 +390,14 @@ def test_gpu_to_offloads_frees_memory_and_restores_bitwise(tiny_model):
     train_flow(engine, batches, 1)
     engine.flow_matching_backward(batches, "none")
     params = list(engine.transformer.parameters())
-    state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    moved_bytes = _cuda_bytes(params) + _cuda_bytes(p.grad for p in params) + _cuda_bytes(state)
+    # counted without holding the tensors: a reference held here would keep their memory allocated
+    moved_bytes = (
+        _cuda_bytes(params)
+        + _cuda_bytes(p.grad for p in params)
+        + _cuda_bytes(
+            v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        )
+    )
     before = snapshot(engine)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
@@ -457,8 +463,10 @@ def test_gpu_fsdp2_engine_moves_its_shards(tiny_model, monkeypatch):
         engine.flow_matching_backward(batches, "none")
         before = snapshot(engine)
         params = list(engine.transformer.parameters())
-        local = [p.to_local() for p in params]
-        moved_bytes = _cuda_bytes(local) + _cuda_bytes(p.grad.to_local() for p in engine.params)
+        # counted without holding the local shards: a reference held here would keep them allocated
+        moved_bytes = _cuda_bytes(p.to_local() for p in params) + _cuda_bytes(
+            p.grad.to_local() for p in engine.params
+        )
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated()
         engine.to("cpu")
