@@ -41,7 +41,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from diffusers.training_utils import cast_training_params
 
 from diffrl.algos import KLLoss, LossInputs, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
@@ -139,9 +138,8 @@ class TrainEngine:
 
         self.reference = None
         if self.lora:
+            # the trained adapter's weights come out fp32: AdamW's master weights
             inject_lora(adapter, model_cfg.lora, [POLICY, OLD] if with_old else [POLICY], seed=seed)
-            # diffusers creates LoRA weights in the base dtype; AdamW needs fp32 master weights.
-            cast_training_params(transformer, torch.float32)
             if with_old:
                 self.copy_adapter(POLICY, OLD)
         else:
