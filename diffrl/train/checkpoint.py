@@ -50,6 +50,8 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from diffrl.train.distributed import all_reduce_mean, barrier, is_distributed, world_size
+from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
 from diffrl.train.distributed import rank as process_rank
 from diffrl.train.export import adapter_key_predicate, lora_adapter_names
 
@@ -293,6 +295,31 @@ def _data_files(directory: Path, skip_dir: str | None = None) -> list[str]:
     return sorted(found)
 
 
+@contextmanager
+def _every_rank_succeeds(stage: str) -> Iterator[None]:
+    """This rank's part of one stage of a save, then a collective that tells every rank whether all
+    parts succeeded; it takes the place of a barrier.
+
+    A bare barrier after a rank's own writes would leave the other ranks waiting there until the
+    process group's timeout when one rank's write fails (a full disk, a permission): here every
+    rank reaches the collective, the failing rank raises its own error, and the others raise at
+    once, naming the stage. Outside a process group it is just the stage.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as err:  # reported to the other ranks first, then re-raised unchanged
+        error = err
+    failed = all_reduce_mean({"failed": float(error is not None)})["failed"] > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"checkpoint save failed on another rank while {stage}; its log has the error "
+            "(this rank's part succeeded, and the checkpoint was not published)"
+        )
+
+
 def save_checkpoint(
     ckpt_dir_root: str | Path,
     step: int,
@@ -350,70 +377,85 @@ def save_checkpoint(
             "keep hyper-parameters numbers, strings or lists",
         )
 
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
-        tmp.mkdir()
-    barrier()
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "trainable_only": trainable_only,
+        "adapters": _lora_summary(model),
+        "has_optimizer_state": has_optimizer_state,
+        "has_scheduler": scheduler is not None,
+        "world_size": world_size(),
+        "torch_version": torch.__version__,
+    }
+    rank0_files = {"meta.json": _json_bytes(meta, "meta", ""), "extra.json": extra_json}
+    if scheduler_json is not None:
+        rank0_files["scheduler.json"] = scheduler_json
+    if optim_json is not None:
+        rank0_files["optim.json"] = optim_json
 
+    with _every_rank_succeeds("creating the temporary folder"):
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+            tmp.mkdir()
+
+    with _every_rank_succeeds("writing the shards"):
+        _write_rank_files(tmp, rank, model_state, optim_tensors)
+        if rank == 0:
+            _write_rank0_files(tmp, rank0_files)
+
+    # Each rank hashes a share of the files (a big model's shards take minutes on one core).
+    with _every_rank_succeeds("hashing the files"):
+        names = _data_files(tmp, skip_dir=_PARTS_DIR)
+        part = {
+            name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for name in _my_share(names)
+        }
+        _write_durable(tmp / _PARTS_DIR / f"rank_{rank:05d}.json", _json_bytes(part, "manifest part", ""))
+
+    with _every_rank_succeeds("publishing the checkpoint"):
+        if rank == 0:
+            _publish(root, tmp, final, names, step, keep_last)
+    return final
+
+
+def _write_rank_files(tmp: Path, rank: int, model_state: dict, optim_tensors: dict) -> None:
+    """What every rank writes: its shards of the model and optimizer state, its RNG state."""
     _save_tensors(model_state, tmp / MODEL_DIR)
     if optim_tensors:
         _save_tensors(optim_tensors, tmp / OPTIM_DIR)
     (tmp / RNG_DIR).mkdir(exist_ok=True)
     _write_durable(tmp / RNG_DIR / f"rank_{rank:05d}.json", _json_bytes(_rng_state(), "RNG state", ""))
-    if rank == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "trainable_only": trainable_only,
-            "adapters": _lora_summary(model),
-            "has_optimizer_state": has_optimizer_state,
-            "has_scheduler": scheduler is not None,
-            "world_size": world_size(),
-            "torch_version": torch.__version__,
-        }
-        _write_durable(tmp / "meta.json", _json_bytes(meta, "meta", ""))
-        _write_durable(tmp / "extra.json", extra_json)
-        if scheduler_json is not None:
-            _write_durable(tmp / "scheduler.json", scheduler_json)
-        if optim_json is not None:
-            _write_durable(tmp / "optim.json", optim_json)
-        (tmp / _PARTS_DIR).mkdir()
-    barrier()  # every rank's files are on disk
 
-    # Each rank hashes a share of the files (a big model's shards take minutes on one core).
-    names = _data_files(tmp, skip_dir=_PARTS_DIR)
-    part = {
-        name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-        for name in _my_share(names)
-    }
-    _write_durable(tmp / _PARTS_DIR / f"rank_{rank:05d}.json", _json_bytes(part, "manifest part", ""))
-    barrier()
 
-    if rank == 0:
-        files: dict[str, Any] = {}
-        for part_file in sorted((tmp / _PARTS_DIR).iterdir()):
-            files.update(json.loads(part_file.read_bytes()))
-        assert sorted(files) == names, "every file is hashed by exactly one rank"
-        shutil.rmtree(tmp / _PARTS_DIR)
-        for sub in (MODEL_DIR, OPTIM_DIR, RNG_DIR):
-            if (tmp / sub).is_dir():
-                _fsync_dir(tmp / sub)
-        manifest = _json_bytes(
-            {"format_version": FORMAT_VERSION, "step": step, "files": files}, "manifest", ""
-        )
-        _write_durable(tmp / MANIFEST, manifest)
-        _write_durable(tmp / COMPLETE_MARKER, f"{hashlib.sha256(manifest).hexdigest()}\n".encode())
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step: move the old one aside, never delete before the rename
-            final.rename(root / f"{_TRASH_PREFIX}{final.name}")
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        if keep_last is not None:
-            _prune(root, keep_last, protect=final)
-        _remove_leftovers(root)
-    barrier()
-    return final
+def _write_rank0_files(tmp: Path, files: dict[str, bytes]) -> None:
+    """What rank 0 alone writes: the metadata and JSON states, and the folder of the hash parts."""
+    for name, data in files.items():
+        _write_durable(tmp / name, data)
+    (tmp / _PARTS_DIR).mkdir()
+
+
+def _publish(root: Path, tmp: Path, final: Path, names: list[str], step: int, keep_last: int | None) -> None:
+    """Rank 0: join the hash parts into the manifest, mark the folder complete, rename it into place."""
+    files: dict[str, Any] = {}
+    for part_file in sorted((tmp / _PARTS_DIR).iterdir()):
+        files.update(json.loads(part_file.read_bytes()))
+    assert sorted(files) == names, "every file is hashed by exactly one rank"
+    shutil.rmtree(tmp / _PARTS_DIR)
+    for sub in (MODEL_DIR, OPTIM_DIR, RNG_DIR):
+        if (tmp / sub).is_dir():
+            _fsync_dir(tmp / sub)
+    manifest = _json_bytes({"format_version": FORMAT_VERSION, "step": step, "files": files}, "manifest", "")
+    _write_durable(tmp / MANIFEST, manifest)
+    _write_durable(tmp / COMPLETE_MARKER, f"{hashlib.sha256(manifest).hexdigest()}\n".encode())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step: move the old one aside, never delete before the rename
+        final.rename(root / f"{_TRASH_PREFIX}{final.name}")
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if keep_last is not None:
+        _prune(root, keep_last, protect=final)
+    _remove_leftovers(root)
 
 
 def _remove_leftovers(root: Path) -> None:
