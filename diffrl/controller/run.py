@@ -443,7 +443,7 @@ def _lock(run_dir: Path) -> int:
 
     The OS drops the lock when the process ends, however it ends, so a kill -9 leaves no stale lock.
     The file holds the owner's PID, for the message another start gets."""
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # FileNotFoundError: no folder
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -461,6 +461,38 @@ def _lock(run_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def _create_and_lock(run_dir: Path, attempts: int = 5) -> tuple[int, bool]:
+    """Make the run folder if it is missing and lock it; returns (lock fd, whether this call made it).
+
+    A start that fails removes the folder it made, and it can do so after another start found the
+    folder and opened its lock file: that start would then lock a file no longer in any folder and
+    run in a folder that is gone. So after locking, the file locked must still be the one at
+    RUN/.lock; when it is not (or the folder vanished before the open), start over.
+    """
+    for _ in range(attempts):
+        try:
+            run_dir.mkdir(parents=True)
+            created = True
+        except FileExistsError:  # it existed, or another start made it a moment ago: the lock decides
+            created = False
+        try:
+            fd = _lock(run_dir)
+        except FileNotFoundError:  # removed between the mkdir and the open
+            continue
+        try:
+            current = os.stat(run_dir / LOCK_FILE)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            return fd, created
+        os.close(fd)
+    raise ValueError(
+        f"run folder {run_dir} kept being removed while this start tried to lock it (another start on the "
+        "same trainer.run_name failing repeatedly?): check the other process, or choose another trainer.run_name"
+    )
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
@@ -491,14 +523,9 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
     checkpoint = None
     if not run_dir.exists():
         checkpoint = _check_resume_target(cfg, run_dir)  # an explicit trainer.resume path
+    fd, created = None, False
     try:
-        run_dir.mkdir(parents=True)
-        created = True
-    except FileExistsError:  # it existed, or another start made it a moment ago: the lock decides
-        created = False
-    fd = None
-    try:
-        fd = _lock(run_dir)
+        fd, created = _create_and_lock(run_dir)
         if not created:
             checkpoint = _check_resume_target(cfg, run_dir)
         from diffrl.telemetry.console import run_started

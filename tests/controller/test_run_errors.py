@@ -182,6 +182,33 @@ def test_a_failed_start_after_creating_the_folder_removes_it(tmp_path, capsys, m
     assert "fix X" in refused(tmp_path, capsys, *FAST)
 
 
+def test_a_start_whose_folder_is_removed_under_its_lock_starts_over(tmp_path, monkeypatch):
+    """The race of a failed first start: start B opens and locks RUN/.lock just as start A (which
+    made the folder and failed) removes it. B must not run in a vanished folder: it notices the
+    file it locked is gone, makes the folder again, and locks the new file."""
+    run_dir = tmp_path / "r"
+    real_lock = run_module._lock
+    calls = []
+
+    def lock_then_lose_the_folder(path):
+        fd = real_lock(path)
+        calls.append(path)
+        if len(calls) == 1:
+            shutil.rmtree(path)  # A's cleanup, between B's lock and B's check
+        return fd
+
+    monkeypatch.setattr(run_module, "_lock", lock_then_lose_the_folder)
+    fd, created = run_module._create_and_lock(run_dir)
+    try:
+        assert len(calls) == 2 and created  # the second round made the folder again
+        held, current = os.fstat(fd), os.stat(run_dir / run_module.LOCK_FILE)
+        assert (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
+        with pytest.raises(ValueError, match="in use by another run"):
+            real_lock(run_dir)  # and that file is the one locked
+    finally:
+        os.close(fd)
+
+
 # --------------------------------------------------------------------------- non-finite steps
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path, capsys):
     # lr=1e30 sends the weights to inf in the first optimizer step; every later loss is nan.
