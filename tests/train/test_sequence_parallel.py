@@ -342,6 +342,9 @@ def test_diffrl_train_with_two_ranks_in_one_sp_group_matches_one_worker(tmp_path
     from diffrl.controller.run import train
 
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    # One thread per process in both runs: the lone worker would otherwise get every core, and a
+    # matmul split over more threads rounds differently, so the two runs would sample different bits.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     common = [
         "model.path=tiny:wan",
         "rollout.pipeline.num_frames=5",
