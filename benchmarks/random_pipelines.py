@@ -42,6 +42,9 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 
+sys.path.insert(0, str(Path(__file__).parent))
+from rollout import SD3_VAE
+
 #: Std of the random weights (GPT-2's / BERT's initializer range).
 INIT_STD = 0.02
 GB = 1e9
@@ -67,22 +70,8 @@ FLUX_DEV_TRANSFORMER = dict(
 # FLUX.1-dev vae/config.json: BFL's ae_params (ch 128, ch_mult [1, 2, 4, 4], num_res_blocks 2,
 # z_channels 16, scale_factor 0.3611, shift_factor 0.1159) in diffusers' AutoencoderKL terms; the
 # BFL autoencoder has no quant convs. 83,819,683 parameters.
-FLUX_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    sample_size=1024,
-    scaling_factor=0.3611,
-    shift_factor=0.1159,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-    force_upcast=True,
-)
+# The SD3 VAE's architecture (benchmarks/rollout.py) with FLUX's latent scale and shift.
+FLUX_VAE = {**SD3_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 # Qwen/Qwen-Image transformer/config.json (= diffusers' QwenImageTransformer2DModel defaults).
 QWEN_IMAGE_TRANSFORMER = dict(
     patch_size=2,
