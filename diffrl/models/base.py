@@ -103,6 +103,10 @@ class ModelAdapter(ABC):
     schedule_convention: ClassVar[str]
     #: Names of the transformer's repeated block classes: FSDP units, checkpointing, compile.
     block_class_names: ClassVar[tuple[str, ...]]
+    # How many distinct text lengths a family's blocks see: families that pad every prompt to one
+    # length see 1; one that pads to the longest prompt of a batch (rounded to a bucket) sees up to
+    # this many, and each is a separate static graph (compile_blocks).
+    text_length_buckets: ClassVar[int] = 1
     #: Module names LoRA adapts when `model.lora.target_modules` is null.
     default_lora_target_modules: ClassVar[tuple[str, ...]]
     #: True for video families: pixels come out as [B, T, 3, H, W].
@@ -174,7 +178,8 @@ class ModelAdapter(ABC):
         sampling (no grad), reference (adapters disabled), training (grad on, with the block input
         requiring grad or not), each at its micro-batch size. Past torch's default limit of 8 the
         remaining variants silently run eager (SD3.5-M has 3 structures: dual attention, single,
-        and the context-pre-only last block), so the limit is raised to the default per structure.
+        and the context-pre-only last block), so the limit is raised to the default per structure,
+        times the family's `text_length_buckets` (Qwen-Image's text length varies with the prompts).
         Shapes are static (`dynamic=False`): micro-batch sizes are few and fixed, and a dynamic
         graph would differ between the sampler's and the trainer's batch sizes.
         """
@@ -185,7 +190,9 @@ class ModelAdapter(ABC):
             )
         structures = {_block_structure(block) for block in blocks}
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, _GRAPHS_PER_STRUCTURE * len(structures))
+        dynamo.recompile_limit = max(
+            dynamo.recompile_limit, _GRAPHS_PER_STRUCTURE * len(structures) * self.text_length_buckets
+        )
         for block in blocks:
             block.compile(**{"dynamic": False, **compile_kwargs})
         self.compiled = True

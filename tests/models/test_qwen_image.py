@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from diffrl.models import load_model
 from diffrl.models.base import to_uint8
-from diffrl.models.qwen_image import QwenImageAdapter, build_tiny
+from diffrl.models.qwen_image import TEXT_BUCKET, QwenImageAdapter, build_tiny
 from diffrl.sde import step
 
 HEIGHT = WIDTH = 64
@@ -81,7 +81,8 @@ def test_encode_prompts_equals_pipeline(adapter):
     assert pos_mask is not None and neg_mask is not None  # prompts of different lengths
 
     cond = adapter.encode_prompts(PROMPTS, NEGATIVES, max_sequence_length=512)
-    length = max(pos.shape[1], neg.shape[1])
+    # padded to the next multiple of TEXT_BUCKET, so that compiled blocks see few text lengths
+    length = -(-max(pos.shape[1], neg.shape[1]) // TEXT_BUCKET) * TEXT_BUCKET
     assert cond.batch_size == torch.Size([2]) and cond.has_negative
     for ours, ours_mask, ref, ref_mask in (
         (cond.embeds, cond.mask, pos, pos_mask),
@@ -94,12 +95,25 @@ def test_encode_prompts_equals_pipeline(adapter):
 
     plain = adapter.encode_prompts(PROMPTS, None, max_sequence_length=512)
     assert not plain.has_negative and plain.negative_mask is None
-    torch.testing.assert_close(plain.embeds, pos, rtol=0, atol=0)
-    assert torch.equal(plain.mask, pos_mask)
-    # one prompt: the pipeline returns no mask; ours is all ones
+    assert plain.embeds.shape[1] == -(-pos.shape[1] // TEXT_BUCKET) * TEXT_BUCKET
+    torch.testing.assert_close(plain.embeds[:, : pos.shape[1]], pos, rtol=0, atol=0)
+    assert torch.equal(plain.mask[:, : pos.shape[1]], pos_mask)
+    assert not plain.mask[:, pos.shape[1] :].any()
+    # one prompt: the pipeline returns no mask; ours marks its tokens and the bucket's padding
     single = adapter.encode_prompts(PROMPTS[:1], None, max_sequence_length=512)
-    assert single.mask.all() and single.mask.shape == single.embeds.shape[:2]
+    real = pipe.encode_prompt(PROMPTS[:1], max_sequence_length=512)[0].shape[1]
+    assert single.mask.shape == single.embeds.shape[:2]
+    assert single.mask[0, :real].all() and not single.mask[0, real:].any()
+    # prompts of different lengths within one bucket give one shape: one compiled graph
+    short, longer = ["a cat"], ["a small red cat sitting on a blue mat"]
+    lengths = [pipe.encode_prompt(p, max_sequence_length=512)[0].shape[1] for p in (short, longer)]
+    assert lengths[0] < lengths[1] <= TEXT_BUCKET
+    for p in (short, longer):
+        assert adapter.encode_prompts(p, None, max_sequence_length=512).embeds.shape[1] == TEXT_BUCKET
+    # the bucket never pads past max_sequence_length, which caps the real tokens first
     assert adapter.encode_prompts(PROMPTS, NEGATIVES, max_sequence_length=4).embeds.shape[1] == 4
+    capped = min(pos.shape[1], neg.shape[1]) + 1
+    assert adapter.encode_prompts(PROMPTS, NEGATIVES, max_sequence_length=capped).embeds.shape[1] == capped
     with pytest.raises(ValueError, match="max_sequence_length"):
         adapter.encode_prompts(PROMPTS, None, max_sequence_length=2048)
 
