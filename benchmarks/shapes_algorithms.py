@@ -1,25 +1,52 @@
-"""Each algorithm's shapes-world preset trained at GPU scale: held-out accuracy before → after.
+"""Each algorithm's shapes-world preset at GPU scale: training time to a fixed accuracy, images/s/GPU.
 
-    python benchmarks/shapes_algorithms.py [PRESET ...] [--steps 60] [--out runs/bench] [-- key=value ...]
+    python benchmarks/shapes_algorithms.py [PRESET ...] [--steps 60] [--split train|heldout]
+        [--target 0.9] [--val-every 5] [--max-minutes M] [--table] [--table-out FILE]
+        [--out runs/bench_shapes] [-- key=value ...]
 
-Runs `diffrl train PRESET` for each preset (default: every `shapes_*` RL preset plus `default`)
-with the same GPU-scale overrides (32 prompts × 16 samples per step, one optimizer step per
-step, validation on the held-out split with 4 samples per prompt every `--steps // 3` steps), then
-prints one JSON line per run: preset, loss, steps, wall seconds, and the held-out accuracy (the
-mean over categories of the shapes verifier, `val/accuracy`) before training and at the end.
-Extra `key=value` overrides after `--` apply to every run.
+Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset, i.e.
+`default` (Flow-GRPO) and each `shapes_*` preset except `shapes_sft` (supervised) and
+`shapes_async` (Flow-GRPO with another placement)), all with the same GPU-scale overrides:
+32 prompts × 16 samples per step, one optimizer step per step, validation with 4 samples per
+prompt before training and every `--val-every` steps.
+
+`--split` picks the validation file: `train` (the default) validates on the preset's own training
+prompts (`data.train_files`, `builtin:shapes_train.jsonl`: what the reward trained), so the target
+is a train-split accuracy; `heldout` keeps the preset's `data.val_files` (its held-out file).
+Accuracy is `val/accuracy`, the mean over categories of the shapes verifier's verdicts.
+
+Time counts training only: the cumulative sum of each step's `timing_s/step` (sampling, reward,
+update; the trainer times validation and checkpoints apart, as `timing_s/validation` and
+`timing_s/checkpoint`). diffrl has no wall-clock stop, so `--max-minutes M` cuts each run's
+curve afterwards: only the steps whose cumulative training time is within M minutes count (pick
+`--steps` large enough to fill the budget; `stopped_by` in the output says which limit ended it).
+
+Prints one JSON line per run: preset, algorithm, loss, split, target, steps and training seconds
+to the target (the first validated step with accuracy >= target; null when never reached),
+images/s/GPU (`throughput/images_per_s_per_gpu`, mean over the steps after the first, which
+carries compilation and warm-up), the best accuracy and its step, and the accuracy curve with
+the cumulative training seconds of each validated step. `--table` prints a Markdown table of all
+runs to stderr after the last one; `--table-out FILE` writes it to FILE instead. Extra
+`key=value` overrides after `--` apply to every run (and win over the ones above).
+
+For issue 17's table (H100; ~2-3 min of training per preset at 60 steps):
+
+    python benchmarks/shapes_algorithms.py --steps 200 --max-minutes 10 --table-out shapes_table.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from diffrl.config import load_config
 from diffrl.config.loader import preset_names
-from diffrl.controller.run import train
 from diffrl.telemetry.report import validation_metrics
 from diffrl.telemetry.sinks import read_metrics
 
@@ -33,56 +60,233 @@ GPU_SCALE = [
     "trainer.loggers=[jsonl]",
 ]
 
+#: The algorithm each preset trains, as docs/algorithms.md names it (other presets: their loss).
+ALGORITHMS = {
+    "default": "Flow-GRPO",
+    "shapes_grpo_guard": "GRPO-Guard",
+    "shapes_flow_dppo": "Flow-DPPO",
+    "shapes_mixgrpo": "MixGRPO",
+    "shapes_dancegrpo": "DanceGRPO",
+    "shapes_nft": "DiffusionNFT",
+    "shapes_awm": "AWM",
+    "shapes_dpo": "Diffusion-DPO (online)",
+}
+#: shapes_* presets that are not an RL algorithm of their own.
+NOT_ALGORITHMS = ("shapes_sft", "shapes_async")
+
+ACCURACY = "val/accuracy"
+STEP_SECONDS = "timing_s/step"
+THROUGHPUT = "throughput/images_per_s_per_gpu"
+
 
 def default_presets() -> list[str]:
-    return ["default"] + [n for n in preset_names() if n.startswith("shapes_") and n != "shapes_sft"]
+    return ["default"] + [n for n in preset_names() if n.startswith("shapes_") and n not in NOT_ALGORITHMS]
 
 
-def main() -> None:
+def curve_summary(
+    steps: Mapping[int, Mapping[str, Any]], target: float, budget_s: float | None = None
+) -> dict[str, Any]:
+    """Time to `target` accuracy, throughput and the accuracy curve of one run's metrics.
+
+    steps: {step: metrics} as `read_metrics` returns for a metrics.jsonl (step 0 = the validation
+    before training, if any). Training seconds are cumulative: step s ends at
+    train_s(s) = Σ_{1 <= i <= s} timing_s/step(i), validation and checkpoints excluded. With a
+    budget, only steps with train_s(s) <= budget_s count (those a run stopped at the budget would
+    have finished). Returns:
+
+        steps_run, train_s              the last counted step and its train_s
+        stopped_by                      "budget" when steps were cut, else "steps"
+        images_per_s_per_gpu            mean throughput over counted steps after the first
+                                        (None with fewer than two counted steps)
+        steps_to_target, train_s_to_target
+                                        the first counted validated step with accuracy >= target
+                                        and its train_s (None when never reached)
+        accuracy_before, accuracy_after the first and last validated accuracy
+        best_accuracy, best_step        the highest validated accuracy, its first step
+        curve                           [{"step", "train_s", "accuracy"}] of each validated step
+    """
+    if not 0 <= target <= 1:
+        raise ValueError(f"target accuracy {target} must be within [0, 1], e.g. 0.9")
+    if budget_s is not None and budget_s <= 0:
+        raise ValueError(f"budget {budget_s} s must be > 0 (or None for no budget)")
+    train_s = 0.0
+    steps_run = 0
+    cut = False
+    throughputs: list[float] = []
+    curve: list[dict[str, float]] = []
+    for step, metrics in sorted(steps.items()):
+        if step > 0:
+            if STEP_SECONDS not in metrics:
+                raise ValueError(
+                    f"step {step} has no {STEP_SECONDS!r}: not a training run's metrics.jsonl "
+                    f"(keys: {sorted(metrics)[:8]}...)"
+                )
+            if budget_s is not None and train_s + metrics[STEP_SECONDS] > budget_s:
+                cut = True
+                break
+            train_s += metrics[STEP_SECONDS]
+            steps_run = step
+            if THROUGHPUT in metrics:
+                throughputs.append(metrics[THROUGHPUT])
+        accuracy = validation_metrics(dict(metrics)).get(ACCURACY)
+        if accuracy is not None and math.isfinite(accuracy):
+            curve.append({"step": step, "train_s": train_s, "accuracy": accuracy})
+    reached = next((p for p in curve if p["accuracy"] >= target), None)
+    best = max(curve, key=lambda p: p["accuracy"], default=None)  # max keeps the first of ties
+    after_first = throughputs[1:]
+    return {
+        "steps_run": steps_run,
+        "train_s": train_s,
+        "stopped_by": "budget" if cut else "steps",
+        "images_per_s_per_gpu": sum(after_first) / len(after_first) if after_first else None,
+        "steps_to_target": reached["step"] if reached else None,
+        "train_s_to_target": reached["train_s"] if reached else None,
+        "accuracy_before": curve[0]["accuracy"] if curve else None,
+        "accuracy_after": curve[-1]["accuracy"] if curve else None,
+        "best_accuracy": best["accuracy"] if best else None,
+        "best_step": best["step"] if best else None,
+        "curve": curve,
+    }
+
+
+def validation_override(split: str, train_files: Sequence[str]) -> list[str]:
+    """The override that makes validation use `split`'s prompts (none: the preset's held-out file)."""
+    if split == "train":
+        # JSON quotes each path, so one with a comma or a space stays one list entry.
+        return [f"data.val_files={json.dumps(list(train_files))}"]
+    return []
+
+
+def _rounded(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _cell(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """One row per run: the preset's algorithm, loss, images/s/GPU, steps and training seconds to
+    the target, best accuracy (step), steps run (training seconds)."""
+    if not results:
+        return ""
+    target, split = results[0]["target"], results[0]["split"]
+    budget = results[0]["budget_s"]
+    header = (
+        f"| algorithm (preset) | loss | images/s/GPU | steps to {split} accuracy {target:g} "
+        f"| training s to {target:g} | best {split} accuracy (step) | steps run (training s"
+        f"{f', budget {budget:g} s' if budget is not None else ''}) |"
+    )
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for r in results:
+        reached = r["steps_to_target"] is not None
+        cells = [
+            f"{r['algorithm']} (`{r['preset']}`)",
+            r["loss"],
+            _cell(r["images_per_s_per_gpu"], ".0f"),
+            str(r["steps_to_target"]) if reached else "not reached",
+            _cell(r["train_s_to_target"], ".0f"),
+            f"{r['best_accuracy']:.3f} ({r['best_step']})" if r["best_accuracy"] is not None else "—",
+            f"{r['steps_run']} ({r['train_s']:.0f})",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_preset(preset: str, args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
+    """Train `preset` at GPU scale and summarise its metrics (one JSON-ready dict)."""
+    from diffrl.controller.run import train
+
+    base = [
+        *GPU_SCALE,
+        f"trainer.total_steps={args.steps}",
+        f"trainer.test_freq={args.val_every}",
+        f"trainer.save_freq={args.steps}",
+        f"trainer.output_dir={args.out}",
+        f"trainer.run_name={preset}",
+        "trainer.resume=off",
+        "trainer.val_before_train=true",
+    ]
+    # The train files as this run resolves them (an override after `--` may change them).
+    train_files = load_config(preset, [*base, *overrides]).data.train_files
+    run_overrides = [*base, *validation_override(args.split, train_files), *overrides]
+    cfg = load_config(preset, run_overrides)
+    start = time.perf_counter()
+    run_dir = train(preset, run_overrides)
+    wall = time.perf_counter() - start
+    budget_s = args.max_minutes * 60 if args.max_minutes is not None else None
+    summary = curve_summary(read_metrics(Path(run_dir) / "metrics.jsonl"), args.target, budget_s)
+    return {
+        "preset": preset,
+        "algorithm": ALGORITHMS.get(preset, cfg.actor.loss.mode),
+        "loss": cfg.actor.loss.mode,
+        "trainer_type": cfg.algorithm.trainer_type,
+        "split": args.split,
+        "val_files": list(cfg.data.val_files),
+        "target": args.target,
+        "budget_s": budget_s,
+        "steps": args.steps,
+        "val_every": args.val_every,
+        "images_per_step": cfg.images_per_step,
+        "wall_s": round(wall, 1),  # the whole run: start-up and validations included
+        "run_dir": str(run_dir),
+        **{k: summary[k] for k in ("steps_run", "stopped_by", "steps_to_target", "best_step")},
+        "train_s": round(summary["train_s"], 2),
+        "train_s_to_target": _rounded(summary["train_s_to_target"], 2),
+        "images_per_s_per_gpu": _rounded(summary["images_per_s_per_gpu"], 2),
+        "accuracy_before": _rounded(summary["accuracy_before"], 4),
+        "accuracy_after": _rounded(summary["accuracy_after"], 4),
+        "best_accuracy": _rounded(summary["best_accuracy"], 4),
+        "accuracy_curve": [
+            {"step": p["step"], "train_s": round(p["train_s"], 2), "accuracy": round(p["accuracy"], 4)}
+            for p in summary["curve"]
+        ],
+    }
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The script's options, and the `key=value` overrides after `--`."""
+    argv = list(argv)
+    # Split at `--` here: argparse would read overrides as presets when no preset is named.
+    cut = argv.index("--") if "--" in argv else len(argv)
+    options, overrides = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("presets", nargs="*", help="presets to run (default: every shapes RL preset)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", default="runs/bench_shapes")
-    args, extra = parser.parse_known_args()
-    overrides = [o for o in extra if o != "--"]
+    parser.add_argument("presets", nargs="*", help="presets to run (default: every shapes algorithm preset)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run (trainer.total_steps)")
+    parser.add_argument("--split", choices=("train", "heldout"), default="train", help="validation prompts")
+    parser.add_argument("--target", type=float, default=0.9, help="accuracy to time (val/accuracy)")
+    parser.add_argument("--val-every", type=int, default=5, help="steps between validations")
+    parser.add_argument("--max-minutes", type=float, default=None, help="training-time budget per run")
+    parser.add_argument("--table", action="store_true", help="print a Markdown table to stderr at the end")
+    parser.add_argument("--table-out", default=None, help="write the Markdown table to this file")
+    parser.add_argument("--out", default="runs/bench_shapes", help="trainer.output_dir of the runs")
+    args = parser.parse_args(options)
+    if args.steps < 1 or args.val_every < 1:
+        parser.error(f"--steps ({args.steps}) and --val-every ({args.val_every}) must be >= 1")
+    if not 0 <= args.target <= 1:
+        parser.error(f"--target {args.target} must be an accuracy within [0, 1], e.g. 0.9")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        parser.error(f"--max-minutes {args.max_minutes} must be > 0 (leave it out for no budget)")
+    unknown = [o for o in overrides if "=" not in o]
+    if unknown:
+        parser.error(f"after `--` come key=value overrides only, got {unknown}")
+    return args, overrides
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    results = []
     for preset in args.presets or default_presets():
-        run_overrides = [
-            *GPU_SCALE,
-            f"trainer.total_steps={args.steps}",
-            f"trainer.test_freq={max(1, args.steps // 3)}",
-            f"trainer.save_freq={args.steps}",
-            f"trainer.output_dir={args.out}",
-            f"trainer.run_name={preset}",
-            "trainer.resume=off",
-            *overrides,
-        ]
-        cfg = load_config(preset, run_overrides)
-        start = time.perf_counter()
-        run_dir = train(preset, run_overrides)
-        wall = time.perf_counter() - start
-        steps = read_metrics(Path(run_dir) / "metrics.jsonl")
-        vals = {s: validation_metrics(m) for s, m in steps.items() if "val/rewards/mean" in m}
-        first, last = min(vals), max(vals)
-        print(
-            json.dumps(
-                {
-                    "preset": preset,
-                    "loss": cfg.actor.loss.mode,
-                    "trainer_type": cfg.algorithm.trainer_type,
-                    "steps": args.steps,
-                    "images_per_step": cfg.images_per_step,
-                    "wall_s": round(wall, 1),
-                    "accuracy_before": round(vals[first].get("val/accuracy", float("nan")), 4),
-                    "accuracy_after": round(vals[last].get("val/accuracy", float("nan")), 4),
-                    "accuracy_curve": {
-                        s: round(v.get("val/accuracy", float("nan")), 4) for s, v in vals.items()
-                    },
-                }
-            ),
-            flush=True,
-        )
+        result = run_preset(preset, args, overrides)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.table_out:
+        Path(args.table_out).write_text(markdown_table(results))
+    elif args.table:
+        print(markdown_table(results), file=sys.stderr, end="")
+    return results
 
 
 if __name__ == "__main__":
