@@ -1,37 +1,46 @@
 """Each algorithm's shapes-world preset at GPU scale: training time to a fixed accuracy, images/s/GPU.
 
     python benchmarks/shapes_algorithms.py [PRESET ...] [--steps 60] [--split train|heldout]
-        [--target 0.9] [--val-every 5] [--max-minutes M] [--table] [--table-out FILE]
-        [--out runs/bench_shapes] [-- key=value ...]
+        [--target 0.9] [--val-every 5] [--max-minutes M] [--out runs/bench_shapes]
+        [--json-out FILE] [--table] [--table-out FILE] [-- key=value ...]
+    python benchmarks/shapes_algorithms.py --from-json FILE ... [--target T] [--max-minutes M]
+        [--table] [--table-out FILE]
 
-Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset, i.e.
-`default` (Flow-GRPO) and each `shapes_*` preset except `shapes_sft` (supervised) and
-`shapes_async` (Flow-GRPO with another placement)), all with the same GPU-scale overrides:
-32 prompts × 16 samples per step, one optimizer step per step, validation with 4 samples per
-prompt before training and every `--val-every` steps.
+Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset:
+`default` (Flow-GRPO) and each `shapes_*` preset but `shapes_sft` (supervised) and `shapes_async`
+(Flow-GRPO with another placement)), all with the same GPU-scale overrides: 32 prompts × 16
+samples per step, one optimizer step per step, 4 validation samples per prompt, validation before
+training and every `--val-every` steps. Extra `key=value` overrides after `--` apply to every run
+and win over these.
 
-`--split` picks the validation file: `train` (the default) validates on the preset's own training
-prompts (`data.train_files`, `builtin:shapes_train.jsonl`: what the reward trained), so the target
-is a train-split accuracy; `heldout` keeps the preset's `data.val_files` (its held-out file).
-Accuracy is `val/accuracy`, the mean over categories of the shapes verifier's verdicts.
+`--split` picks the validation prompts: `train` (the default) validates on the preset's own
+training prompts (its `data.train_files`, `builtin:shapes_train.jsonl`, the prompts the reward
+trained on), so the target is a train-split accuracy; `heldout` keeps the preset's
+`data.val_files` (its held-out file). Accuracy is `val/accuracy`, the mean over categories of the
+shapes verifier's verdicts.
 
-Time counts training only: the cumulative sum of each step's `timing_s/step` (sampling, reward,
-update; the trainer times validation and checkpoints apart, as `timing_s/validation` and
-`timing_s/checkpoint`). diffrl has no wall-clock stop, so `--max-minutes M` cuts each run's
-curve afterwards: only the steps whose cumulative training time is within M minutes count (pick
-`--steps` large enough to fill the budget; `stopped_by` in the output says which limit ended it).
+Time counts training only: the running sum of each step's `timing_s/step` (sampling, reward,
+update), which the trainer measures apart from validation and checkpoints (`timing_s/validation`,
+`timing_s/checkpoint`). diffrl has no wall-clock stop, so `--max-minutes M` cuts each run's curve
+afterwards: only the steps whose running training time is within M minutes count. Pick `--steps`
+large enough to fill the budget: `stopped_by` says which limit ended the counted curve.
 
-Prints one JSON line per run: preset, algorithm, loss, split, target, steps and training seconds
-to the target (the first validated step with accuracy >= target; null when never reached),
-images/s/GPU (`throughput/images_per_s_per_gpu`, mean over the steps after the first, which
-carries compilation and warm-up), the best accuracy and its step, and the accuracy curve with
-the cumulative training seconds of each validated step. `--table` prints a Markdown table of all
-runs to stderr after the last one; `--table-out FILE` writes it to FILE instead. Extra
-`key=value` overrides after `--` apply to every run (and win over the ones above).
+Prints one JSON line per run (`--json-out FILE` appends it to FILE as well: `diffrl train`
+prints its own lines to stdout too): preset, algorithm, loss, split, target, the first validated
+step with accuracy >= target and the training seconds up to it (`steps_to_target`,
+`train_s_to_target`; null when never reached), images/s/GPU (`throughput/images_per_s_per_gpu`,
+mean over the steps after the first, which carries compilation and warm-up), the best accuracy
+and its step, and `accuracy_curve`: each validated step with its training seconds. `--table`
+prints a Markdown table of the runs to stderr after the last one; `--table-out FILE` writes it to
+FILE instead. `--from-json` trains nothing: it summarises the runs of earlier `--json-out` files
+again from their metrics.jsonl, with this invocation's `--target` and `--max-minutes`, so runs
+made by separate commands make one table, and another target costs no GPU time.
 
-For issue 17's table (H100; ~2-3 min of training per preset at 60 steps):
+Issue 17's table (one command per preset, each under 10 minutes on an H100; then the table):
 
-    python benchmarks/shapes_algorithms.py --steps 200 --max-minutes 10 --table-out shapes_table.md
+    python benchmarks/shapes_algorithms.py default --steps 200 --max-minutes 5 --json-out runs/bench_shapes/runs.jsonl
+    ... the same for each other preset ...
+    python benchmarks/shapes_algorithms.py --from-json runs/bench_shapes/runs.jsonl --max-minutes 5 --table-out table.md
 """
 
 from __future__ import annotations
@@ -193,8 +202,49 @@ def markdown_table(results: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: What a result keeps of its run, whatever target or budget summarises it (`--from-json`).
+RUN_KEYS = (
+    "preset",
+    "algorithm",
+    "loss",
+    "trainer_type",
+    "split",
+    "val_files",
+    "steps",
+    "val_every",
+    "images_per_step",
+    "wall_s",
+    "run_dir",
+)
+
+
+def result_of(run: Mapping[str, Any], target: float, budget_s: float | None) -> dict[str, Any]:
+    """One JSON line: the run's facts (`RUN_KEYS`) and its metrics.jsonl summarised for `target`
+    within `budget_s` (`curve_summary`)."""
+    metrics = Path(run["run_dir"]) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics} does not exist: run {run['preset']!r} left no metrics there")
+    summary = curve_summary(read_metrics(metrics), target, budget_s)
+    return {
+        **{k: run[k] for k in RUN_KEYS},
+        "target": target,
+        "budget_s": budget_s,
+        **{k: summary[k] for k in ("steps_run", "stopped_by", "steps_to_target", "best_step")},
+        "train_s": round(summary["train_s"], 2),
+        "train_s_to_target": _rounded(summary["train_s_to_target"], 2),
+        "images_per_s_per_gpu": _rounded(summary["images_per_s_per_gpu"], 2),
+        "accuracy_before": _rounded(summary["accuracy_before"], 4),
+        "accuracy_after": _rounded(summary["accuracy_after"], 4),
+        "best_accuracy": _rounded(summary["best_accuracy"], 4),
+        "accuracy_curve": [
+            {"step": p["step"], "train_s": round(p["train_s"], 2), "accuracy": round(p["accuracy"], 4)}
+            for p in summary["curve"]
+        ],
+    }
+
+
 def run_preset(preset: str, args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, Any]:
-    """Train `preset` at GPU scale and summarise its metrics (one JSON-ready dict)."""
+    """Train `preset` at GPU scale; returns the run's facts (`RUN_KEYS`)."""
     from diffrl.controller.run import train
 
     base = [
@@ -214,8 +264,6 @@ def run_preset(preset: str, args: argparse.Namespace, overrides: Sequence[str]) 
     start = time.perf_counter()
     run_dir = train(preset, run_overrides)
     wall = time.perf_counter() - start
-    budget_s = args.max_minutes * 60 if args.max_minutes is not None else None
-    summary = curve_summary(read_metrics(Path(run_dir) / "metrics.jsonl"), args.target, budget_s)
     return {
         "preset": preset,
         "algorithm": ALGORITHMS.get(preset, cfg.actor.loss.mode),
@@ -223,25 +271,29 @@ def run_preset(preset: str, args: argparse.Namespace, overrides: Sequence[str]) 
         "trainer_type": cfg.algorithm.trainer_type,
         "split": args.split,
         "val_files": list(cfg.data.val_files),
-        "target": args.target,
-        "budget_s": budget_s,
-        "steps": args.steps,
-        "val_every": args.val_every,
+        "steps": cfg.trainer.total_steps,
+        "val_every": cfg.trainer.test_freq,
         "images_per_step": cfg.images_per_step,
         "wall_s": round(wall, 1),  # the whole run: start-up and validations included
         "run_dir": str(run_dir),
-        **{k: summary[k] for k in ("steps_run", "stopped_by", "steps_to_target", "best_step")},
-        "train_s": round(summary["train_s"], 2),
-        "train_s_to_target": _rounded(summary["train_s_to_target"], 2),
-        "images_per_s_per_gpu": _rounded(summary["images_per_s_per_gpu"], 2),
-        "accuracy_before": _rounded(summary["accuracy_before"], 4),
-        "accuracy_after": _rounded(summary["accuracy_after"], 4),
-        "best_accuracy": _rounded(summary["best_accuracy"], 4),
-        "accuracy_curve": [
-            {"step": p["step"], "train_s": round(p["train_s"], 2), "accuracy": round(p["accuracy"], 4)}
-            for p in summary["curve"]
-        ],
     }
+
+
+def earlier_runs(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The runs named by JSON lines an earlier invocation wrote with `--json-out`."""
+    runs = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--from-json {path}: no such file (write one with --json-out)")
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in RUN_KEYS if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{n} lacks {missing}: not a line of this script's --json-out")
+            runs.append({k: row[k] for k in RUN_KEYS})
+    return runs
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -262,6 +314,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--table", action="store_true", help="print a Markdown table to stderr at the end")
     parser.add_argument("--table-out", default=None, help="write the Markdown table to this file")
     parser.add_argument("--out", default="runs/bench_shapes", help="trainer.output_dir of the runs")
+    parser.add_argument("--json-out", default=None, help="also append each run's JSON line to this file")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="train nothing: summarise the runs of earlier --json-out files again (this --target, --max-minutes)",
+    )
     args = parser.parse_args(options)
     if args.steps < 1 or args.val_every < 1:
         parser.error(f"--steps ({args.steps}) and --val-every ({args.val_every}) must be >= 1")
@@ -269,6 +329,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--target {args.target} must be an accuracy within [0, 1], e.g. 0.9")
     if args.max_minutes is not None and args.max_minutes <= 0:
         parser.error(f"--max-minutes {args.max_minutes} must be > 0 (leave it out for no budget)")
+    if args.from_json and (args.presets or overrides):
+        parser.error("--from-json trains nothing: name no preset and no override with it")
     unknown = [o for o in overrides if "=" not in o]
     if unknown:
         parser.error(f"after `--` come key=value overrides only, got {unknown}")
@@ -277,10 +339,19 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    budget_s = args.max_minutes * 60 if args.max_minutes is not None else None
+    if args.from_json:
+        runs = iter(earlier_runs(args.from_json))
+    else:
+        runs = (run_preset(preset, args, overrides) for preset in args.presets or default_presets())
     results = []
-    for preset in args.presets or default_presets():
-        result = run_preset(preset, args, overrides)
-        print(json.dumps(result), flush=True)
+    for run in runs:
+        result = result_of(run, args.target, budget_s)
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.json_out:
+            with open(args.json_out, "a") as f:
+                f.write(line + "\n")
         results.append(result)
     if args.table_out:
         Path(args.table_out).write_text(markdown_table(results))

@@ -160,8 +160,11 @@ def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypa
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
     builtin = Path(sa.__file__).resolve().parents[1] / "diffrl/config/presets/data/shapes_train.jsonl"
     train_file = tmp_path / "train.jsonl"
-    train_file.write_text("".join(builtin.read_text().splitlines(keepends=True)[:2]))
-    table = tmp_path / "table.md"
+    rows = [json.loads(line) for line in builtin.read_text().splitlines()]
+    # One easy and one hard category: a mean accuracy between 0 and 1 (position is near 0).
+    picked = [next(r for r in rows if r["data_source"] == c) for c in ("colors", "position")]
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    table, runs = tmp_path / "table.md", tmp_path / "runs.jsonl"
     tiny = [
         f"data.train_files=[{train_file}]",
         "data.prompts_per_step=2",
@@ -169,15 +172,13 @@ def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypa
         "rollout.micro_batch_size=4",
         "actor.mini_batch_size=4",
         "actor.micro_batch_size=4",
-        "rollout.pipeline.num_inference_steps=3",
-        "rollout.sde.window_range=[0,2]",
         "rollout.val.n=1",
     ]
     argv = ["default", "--steps", "2", "--val-every", "1", "--target", "0", "--out", str(tmp_path)]
-    (res,) = sa.main([*argv, "--table-out", str(table), "--", *tiny])
+    (res,) = sa.main([*argv, "--table-out", str(table), "--json-out", str(runs), "--", *tiny])
 
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert printed == [res]
+    assert printed == [res] == [json.loads(line) for line in runs.read_text().splitlines()]
     assert (res["preset"], res["algorithm"], res["loss"], res["split"]) == (
         "default",
         "Flow-GRPO",
@@ -201,3 +202,23 @@ def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypa
     step2 = next(r for r in lines if r["step"] == 2)
     assert res["images_per_s_per_gpu"] == pytest.approx(step2["throughput/images_per_s_per_gpu"], abs=0.01)
     assert "| Flow-GRPO (`default`) | flow_grpo |" in table.read_text()
+
+    # The same run summarised again without training: the same result for the same target, and
+    # a budget shorter than step 1 leaves only the validation before training.
+    assert sa.main(["--from-json", str(runs), "--target", "0"]) == [res]
+    (cut,) = sa.main(["--from-json", str(runs), "--target", "0", "--max-minutes", "1e-6"])
+    assert (cut["steps_run"], cut["stopped_by"], cut["train_s"]) == (0, "budget", 0.0)
+    assert cut["budget_s"] == pytest.approx(6e-5)
+    assert cut["accuracy_curve"] == res["accuracy_curve"][:1] and cut["images_per_s_per_gpu"] is None
+    assert {k: cut[k] for k in sa.RUN_KEYS} == {k: res[k] for k in sa.RUN_KEYS}
+
+
+def test_from_json_needs_lines_of_its_own_json_out(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: no such file"):
+        sa.earlier_runs([str(tmp_path / "nope.jsonl")])
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"preset": "default"}\n')
+    with pytest.raises(ValueError, match=r"other.jsonl:1 lacks \['algorithm'"):
+        sa.earlier_runs([str(other)])
+    with pytest.raises(SystemExit):
+        sa.parse_args(["default", "--from-json", str(other)])
