@@ -150,9 +150,12 @@ def test_the_markdown_table_has_one_row_per_run():
     assert header.count("|") == rule.count("|") == rows[0].count("|") == rows[1].count("|") == 8
     assert "steps to train accuracy 0.9" in header and "budget 600 s" in header
     assert rows == [
-        "| Flow-GRPO (`default`) | flow_grpo | 812 | 25 | 54 | 0.930 (40) | 60 (132) |",
-        "| AWM (`shapes_awm`) | flow_grpo | 812 | not reached | — | 0.610 (35) | 60 (132) |",
+        "| Flow-GRPO (`default`) | flow_grpo | 812.4 | 25 | 54 | 0.930 (40) | 60 (132) |",
+        "| AWM (`shapes_awm`) | flow_grpo | 812.4 | not reached | — | 0.610 (35) | 60 (132) |",
     ]
+    heldout = {**result("shapes_dpo", "DPO", 3, 1.0, 0.95, 3), "split": "heldout"}
+    with pytest.raises(ValueError, match=r"different splits \['heldout', 'train'\]"):
+        sa.markdown_table([result("default", "Flow-GRPO", 25, 54.4, 0.93, 40), heldout])
 
 
 def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypatch, capsys):
