@@ -95,7 +95,7 @@ ALGORITHMS = {
     "shapes_dancegrpo": "DanceGRPO",
     "shapes_nft": "DiffusionNFT",
     "shapes_awm": "AWM",
-    "shapes_dpo": "Diffusion-DPO (online)",
+    "shapes_dpo": "online Diffusion-DPO",
 }
 #: shapes_* presets that are not an RL algorithm of their own.
 NOT_ALGORITHMS = ("shapes_sft", "shapes_async")
