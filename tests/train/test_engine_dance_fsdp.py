@@ -13,14 +13,12 @@ within float32 round-off.
 from __future__ import annotations
 
 import os
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_ranks import free_port, spawn_with_deadlines
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diffrl.config.schema import (
@@ -121,33 +119,6 @@ def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str) -> None:
         distributed.shutdown_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_with_deadline(args: tuple, out_dir: Path) -> None:
-    """Run `_worker` on WORLD processes; kill them and fail if they hang.
-
-    Two deadlines: the start (process spawn, imports, rendezvous: slow on a loaded machine) and
-    the training step, timed from the moment every rank has joined the process group.
-    """
-    context = mp.spawn(_worker, args=args, nprocs=WORLD, join=False)
-    deadline, phase = time.monotonic() + START_DEADLINE_S, "start"
-    while not context.join(timeout=0.5):
-        if phase == "start" and all((out_dir / f"joined{r}").exists() for r in range(WORLD)):
-            deadline, phase = time.monotonic() + STEP_DEADLINE_S, "step"
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(10)
-            limit = START_DEADLINE_S if phase == "start" else STEP_DEADLINE_S
-            pytest.fail(f"the 2-rank DanceGRPO {phase} did not finish within {limit:.0f} s: the ranks hang")
-
-
 @pytest.fixture(scope="module")
 def micro_batches(tiny_model) -> list[PolicyGradientBatch]:
     """A rollout of the base policy, its advantages and the step mask, cut into 4 micro-batches."""
@@ -176,7 +147,15 @@ def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
     half = len(micro_batches) // WORLD
     shards = [micro_batches[:half], micro_batches[half:]]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks' FSDP mesh is the CPU, as in CI
-    spawn_with_deadline((_free_port(), model_dir, shards, str(tmp_path)), tmp_path)
+    spawn_with_deadlines(
+        _worker,
+        (free_port(), model_dir, shards, str(tmp_path)),
+        WORLD,
+        tmp_path,
+        start_s=START_DEADLINE_S,
+        run_s=STEP_DEADLINE_S,
+        what="DanceGRPO FSDP2 step",
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     expected_metrics, expected_grads, single_sizes = step(engine_for(model_dir, "none"), micro_batches)

@@ -11,15 +11,13 @@ check the moves themselves and that accelerator memory drops (`pytest -m gpu` on
 from __future__ import annotations
 
 import os
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_ranks import free_port, spawn_with_deadlines
 
 from diffrl.config import ConfigError
 from diffrl.config.schema import (
@@ -342,28 +340,17 @@ def _fsdp_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         distributed.shutdown_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_engine_moves_and_offloads_like_a_plain_one(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU mesh, as in CI
-    context = mp.spawn(
-        _fsdp_worker, args=(_free_port(), str(tiny_model("sd3")), str(tmp_path)), nprocs=WORLD, join=False
+    spawn_with_deadlines(
+        _fsdp_worker,
+        (free_port(), str(tiny_model("sd3")), str(tmp_path)),
+        WORLD,
+        tmp_path,
+        start_s=START_DEADLINE_S,
+        run_s=RUN_DEADLINE_S,
+        what="FSDP2 offload",
     )
-    deadline, phase = time.monotonic() + START_DEADLINE_S, "start"
-    while not context.join(timeout=0.5):
-        if phase == "start" and all((tmp_path / f"joined{r}").exists() for r in range(WORLD)):
-            deadline, phase = time.monotonic() + RUN_DEADLINE_S, "run"
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(10)
-            pytest.fail(f"the 2-rank FSDP2 offload {phase} did not finish in time: the ranks hang")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for result in ranks:
         assert result["plain"]["metrics"] == result["optimizer_offload"]["metrics"]
@@ -452,7 +439,7 @@ def test_gpu_fsdp2_engine_moves_its_shards(tiny_model, monkeypatch):
     optimizer offload of a sharded engine."""
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     distributed.init_distributed("nccl", timeout=timedelta(seconds=60))
     try:
         engine = build(tiny_model("sd3"), rank=0, device="cuda", strategy="fsdp2", optimizer_offload=True)

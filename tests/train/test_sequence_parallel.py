@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from diffusers import WanTransformer3DModel
 from diffusers.training_utils import cast_training_params
+from spawn_ranks import free_port, spawn_with_deadlines
 
 from diffrl.config.schema import LoraConfig
 from diffrl.models import load_model
@@ -220,34 +218,21 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     torch.save(result, out / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_with_deadline(model_dir: str, out_dir: Path) -> None:
-    context = mp.spawn(_worker, args=(_free_port(), model_dir, str(out_dir)), nprocs=WORLD, join=False)
-    deadline, phase = time.monotonic() + START_DEADLINE_S, "start"
-    while not context.join(timeout=0.5):
-        if phase == "start" and all((out_dir / f"joined{r}").exists() for r in range(WORLD)):
-            deadline, phase = time.monotonic() + RUN_DEADLINE_S, "run"
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(10)
-            pytest.fail(f"the 2-rank sequence-parallel {phase} did not finish in time: the ranks hang")
-
-
 @pytest.fixture(scope="module")
 def results(tiny_model, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("sp")
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU mesh (gloo), as in CI
     try:
-        _spawn_with_deadline(str(tiny_model("wan")), out)
+        spawn_with_deadlines(
+            _worker,
+            (free_port(), str(tiny_model("wan")), str(out)),
+            WORLD,
+            out,
+            start_s=START_DEADLINE_S,
+            run_s=RUN_DEADLINE_S,
+            what="sequence-parallel",
+        )
     finally:
         if previous is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
