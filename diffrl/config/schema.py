@@ -20,6 +20,7 @@ from diffrl.algos import LOOPS, POLICY_GRADIENT, algorithm, algorithm_settings, 
 from diffrl.algos.kl import KL_STD_CHOICES
 from diffrl.algos.nft import NFT_ADV_MODES
 from diffrl.algos.rollout_correction import IS_LEVELS, IS_MODES, REJECTION_LEVELS, REJECTIONS
+from diffrl.algos.spec import DIRECT_PREFERENCE, SAMPLES
 from diffrl.config.checks import ConfigError, require, require_at_least, require_choice, require_positive
 from diffrl.sde import SDE_KINDS
 
@@ -420,6 +421,9 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True  # false = Dr.GRPO (no division by the std)
     global_std: bool = True  # true: the batch's reward std; false: each group's own
     timestep_fraction: float = 1.0  # fraction of window steps trained (DanceGRPO-style subsampling)
+    # DiffusionNFT / AWM: [lo, hi) of the rollout schedule's steps whose noise levels σ_lo..σ_{hi-1}
+    # the loss trains on (timestep_fraction of them per sample); null = every step's level
+    train_step_range: list[int] | None = None
     # diffusion_nft: how advantages become optimality probabilities (diffrl.algos.nft.NFT_ADV_MODES)
     adv_mode: str = "continuous"
     # auto: reuse the rollout's own log-probs when the sampler is the trained module itself
@@ -449,6 +453,13 @@ class AlgorithmConfig:
             self.timestep_fraction,
             "must be in (0, 1]",
         )
+        if self.train_step_range is not None:
+            require(
+                len(self.train_step_range) == 2 and 0 <= self.train_step_range[0] < self.train_step_range[1],
+                f"{at}.train_step_range",
+                self.train_step_range,
+                "must be [lo, hi) with 0 <= lo < hi (steps of the rollout schedule), or null for all steps",
+            )
         self.old_policy.validate(f"{at}.old_policy")
         self.rollout_correction.validate(f"{at}.rollout_correction")
 
@@ -692,6 +703,27 @@ class Config:
                 "has no effect when the trainer reuses the rollout's own log-probs (algorithm.old_log_probs="
                 f"{self.algorithm.old_log_probs}): there is no second log-prob to correct against. Set "
                 "algorithm.old_log_probs=recompute, or leave is_level and rejection at none",
+            )
+        if self.algorithm.train_step_range is not None:
+            steps = self.rollout.pipeline.num_inference_steps
+            on_samples = [
+                spec.name
+                for spec in algorithms(DIRECT_PREFERENCE)
+                if getattr(spec, "trains_on", None) == SAMPLES
+            ]
+            require(
+                self.actor.loss.mode in on_samples,
+                "algorithm.train_step_range",
+                self.algorithm.train_step_range,
+                f"picks the noise levels of the losses that noise clean samples ({', '.join(on_samples)}); "
+                f"actor.loss.mode={self.actor.loss.mode} does not use it: leave it null (the Flow-GRPO "
+                "family chooses its steps with rollout.sde.window_range)",
+            )
+            require(
+                self.algorithm.train_step_range[1] <= steps,
+                "algorithm.train_step_range",
+                self.algorithm.train_step_range,
+                f"ends after the rollout's {steps} steps (rollout.pipeline.num_inference_steps): use hi <= {steps}",
             )
         require(
             self.world_size == 1 or self.actor.strategy == "fsdp2",

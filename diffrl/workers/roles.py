@@ -392,18 +392,20 @@ class ActorWorker:
 
     def forward_process_backward(self, micro_batches: Sequence[Any], *, seed: int, step: int, epoch: int):
         """NFT/AWM: accumulate the gradient of this worker's clean samples (`CleanBatch`es), each at
-        a random `algorithm.timestep_fraction` of the rollout schedule's noise levels."""
+        a random `algorithm.timestep_fraction` of the rollout schedule's noise levels (those of the
+        steps in `algorithm.train_step_range`, or all)."""
         from diffrl.train.preference import forward_process_backward
 
         cfg, adapter = self.cfg, self.engine.adapter
         pipe = cfg.rollout.pipeline
         # σ_0..σ_{N-1} of the schedule the rollout sampled with (the final σ = 0 is no noise level)
         sigmas = adapter.schedule(pipe.num_inference_steps, pipe.height, pipe.width, pipe.num_frames).sigmas
+        lo, hi = cfg.algorithm.train_step_range or (0, pipe.num_inference_steps)
         return forward_process_backward(
             self.engine,
             micro_batches,
             call=self._velocity_call(),
-            sigma_table=sigmas[:-1],
+            sigma_table=sigmas[lo:hi],
             fraction=cfg.algorithm.timestep_fraction,
             adv_mode=cfg.algorithm.adv_mode,
             seed=seed,

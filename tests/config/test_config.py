@@ -170,6 +170,14 @@ def test_wrong_type_names_key_value_and_expected_type():
             "trainer.loggers=[console,mlflow]",
             r"trainer\.loggers='mlflow' is invalid: must be one of 'console'",
         ),
+        (
+            "algorithm.train_step_range=[3,3]",
+            r"algorithm\.train_step_range=\[3, 3\] is invalid: must be \[lo, hi\) with 0 <= lo < hi",
+        ),
+        (
+            "algorithm.train_step_range=[0,2]",
+            r"algorithm\.train_step_range=\[0, 2\] is invalid: .*actor\.loss\.mode=flow_grpo does not use it",
+        ),
         ("model.attn_backend=flash2", r"model\.attn_backend='flash2' is invalid: must be one of .*'native'"),
         ("actor.loss.mode=grpo", r"actor\.loss\.mode='grpo' is invalid: .*flow_grpo"),
         ("actor.loss.mode=kl", r"actor\.loss\.mode='kl' is invalid: kl is the KL-to-reference term"),
@@ -179,6 +187,16 @@ def test_wrong_type_names_key_value_and_expected_type():
 def test_out_of_range_values_name_key_value_and_allowed(override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config("default", [override])
+
+
+def test_train_step_range_is_for_the_losses_that_noise_clean_samples():
+    for preset in ("shapes_nft", "shapes_awm"):
+        cfg = load_config(preset, ["algorithm.train_step_range=[0,2]"])
+        assert cfg.algorithm.train_step_range == [0, 2]
+        with pytest.raises(ConfigError, match=r"ends after the rollout's 10 steps.*use hi <= 10"):
+            load_config(preset, ["algorithm.train_step_range=[0,11]"])
+    with pytest.raises(ConfigError, match=r"actor\.loss\.mode=dpo does not use it"):
+        load_config("shapes_dpo", ["algorithm.train_step_range=[0,2]"])
 
 
 def test_cps_noise_level_is_at_most_one():
