@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout import random_sd35_adapter
+from rollout import random_sd35_adapter, update_batch
 
 from diffrl.config.schema import (
     ActorConfig,
@@ -43,12 +43,7 @@ from diffrl.config.schema import (
     LossConfig,
     ModelConfig,
     OptimConfig,
-    PipelineConfig,
-    RolloutConfig,
-    SdeConfig,
 )
-from diffrl.rollout import TrajectorySampler
-from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import TrainEngine
 
 MODES = ("none", "optimizer_offload", "activation_offload", "param_offload")
@@ -81,21 +76,16 @@ def run_mode(args: argparse.Namespace) -> dict:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     adapter = random_sd35_adapter(args.layers, device, dtype)
-    size = args.size
-    rollout_cfg = RolloutConfig(
+    trained = update_batch(
+        adapter,
+        images=args.images,
         n=args.n,
-        micro_batch_size=args.micro_batch,
-        pipeline=PipelineConfig(height=size, width=size, num_inference_steps=args.steps, guidance_scale=4.5),
-        sde=SdeConfig(noise_level=0.7, window_size=args.window, window_range=[0, args.steps // 2]),
+        micro_batch=args.micro_batch,
+        size=args.size,
+        steps=args.steps,
+        window=args.window,
     )
-    prompts = [f"prompt {i}" for i in range(args.images // args.n)]
-    rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(prompts, seed=0, step=0)
-    trained = PolicyGradientBatch(
-        rollout,
-        TrainingTargets(
-            advantages_B=torch.linspace(-1, 1, len(rollout), device=device), batch_size=[len(rollout)]
-        ),
-    )
+    rollout = trained.rollout
     micro_batches = [
         trained.select(slice(s, s + args.micro_batch)) for s in range(0, len(rollout), args.micro_batch)
     ]

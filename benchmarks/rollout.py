@@ -30,6 +30,7 @@ from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig
 from diffrl.models.base import PromptEmbeds
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.rollout import TrajectorySampler
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 
 H100_BF16_DENSE_TFLOPS = 989.0
 
@@ -110,6 +111,24 @@ def random_sd35_adapter(layers: int, device: torch.device, dtype: torch.dtype) -
     ).to(device, dtype)
     pipe.set_progress_bar_config(disable=True)
     return RandomTextSD3Adapter(pipe, device, dtype)
+
+
+def update_batch(
+    adapter: SD3Adapter, *, images: int, n: int, micro_batch: int, size: int, steps: int, window: int
+) -> PolicyGradientBatch:
+    """What the update benchmarks (`train_step.py`, `offload.py`) train on: one rollout of `images`
+    trajectories (`images // n` prompts × n, CFG 4.5, an SDE window of `window` steps in the first
+    half of `steps`) with advantages spread evenly over [-1, 1]. Seed 0: the same on every rank."""
+    rollout_cfg = RolloutConfig(
+        n=n,
+        micro_batch_size=micro_batch,
+        pipeline=PipelineConfig(height=size, width=size, num_inference_steps=steps, guidance_scale=4.5),
+        sde=SdeConfig(noise_level=0.7, window_size=window, window_range=[0, steps // 2]),
+    )
+    prompts = [f"prompt {i}" for i in range(images // n)]
+    rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(prompts, seed=0, step=0)
+    advantages = torch.linspace(-1, 1, len(rollout), device=adapter.device)
+    return PolicyGradientBatch(rollout, TrainingTargets(advantages_B=advantages, batch_size=[len(rollout)]))
 
 
 def cuda_time(fn):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout import TEXT_TOKENS, random_sd35_adapter
+from rollout import TEXT_TOKENS, random_sd35_adapter, update_batch
 
 from diffrl.config.schema import (
     ActorConfig,
@@ -34,12 +34,7 @@ from diffrl.config.schema import (
     LossConfig,
     ModelConfig,
     OptimConfig,
-    PipelineConfig,
-    RolloutConfig,
-    SdeConfig,
 )
-from diffrl.rollout import TrajectorySampler
-from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import TrainEngine
 
 H100_BF16_DENSE_TFLOPS = 989.0
@@ -102,21 +97,18 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
     adapter = random_sd35_adapter(args.layers, device, dtype)  # identical random weights on every rank
-    size = args.size
-    rollout_cfg = RolloutConfig(
-        n=args.n,
-        micro_batch_size=args.micro_batch,
-        pipeline=PipelineConfig(height=size, width=size, num_inference_steps=args.steps, guidance_scale=4.5),
-        sde=SdeConfig(noise_level=0.7, window_size=args.window, window_range=[0, args.steps // 2]),
-    )
     # The whole global step's rollout on every rank (same seed), then each rank trains its shard:
     # exactly the global batch a single GPU trains.
-    prompts = [f"prompt {i}" for i in range(args.images // args.n)]
-    rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(prompts, seed=0, step=0)
-    advantages = torch.linspace(-1, 1, len(rollout), device=device)
-    trained = PolicyGradientBatch(
-        rollout, TrainingTargets(advantages_B=advantages, batch_size=[len(rollout)])
+    trained = update_batch(
+        adapter,
+        images=args.images,
+        n=args.n,
+        micro_batch=args.micro_batch,
+        size=args.size,
+        steps=args.steps,
+        window=args.window,
     )
+    rollout = trained.rollout
     per_rank = len(rollout) // world
     shard = trained.select(slice(rank * per_rank, (rank + 1) * per_rank))
 
@@ -171,7 +163,7 @@ def main() -> None:
     if args.profile is not None and rank == 0:
         write_profile(step, args.profile, cuda)
     forward_flops = (
-        adapter.flops_per_forward(2 * per_rank, size, size, TEXT_TOKENS) * args.window
+        adapter.flops_per_forward(2 * per_rank, args.size, args.size, TEXT_TOKENS) * args.window
     )  # CFG pairs
     mfu = 2 * forward_flops / seconds / (args.peak_tflops * 1e12)
     if rank == 0:
@@ -187,7 +179,7 @@ def main() -> None:
                     "images_per_step": len(rollout),
                     "micro_batch": args.micro_batch,
                     "window": args.window,
-                    "size": size,
+                    "size": args.size,
                     "lora_rank": 32,
                     "lora_dtype": args.lora_dtype,
                     "autocast": args.autocast,
