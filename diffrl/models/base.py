@@ -103,9 +103,9 @@ class ModelAdapter(ABC):
     schedule_convention: ClassVar[str]
     #: Names of the transformer's repeated block classes: FSDP units, checkpointing, compile.
     block_class_names: ClassVar[tuple[str, ...]]
-    # How many distinct text lengths a family's blocks see: families that pad every prompt to one
-    # length see 1; one that pads to the longest prompt of a batch (rounded to a bucket) sees up to
-    # this many, and each is a separate static graph (compile_blocks).
+    #: How many distinct text lengths a family's blocks see: families that pad every prompt to one
+    #: length see 1; one that pads to the longest prompt of a batch (rounded to a bucket) sees up to
+    #: this many, and each is a separate static graph (compile_blocks).
     text_length_buckets: ClassVar[int] = 1
     #: Module names LoRA adapts when `model.lora.target_modules` is null.
     default_lora_target_modules: ClassVar[tuple[str, ...]]

@@ -71,7 +71,7 @@ class QwenImageAdapter(ModelAdapter):
     schedule_convention = "qwen_image"
     latent_layout = "the packed Qwen-Image layout"
     block_class_names = ("QwenImageTransformerBlock",)
-    text_length_buckets = 1024 // 32  # up to the tokenizer's 1024 tokens in TEXT_BUCKET steps
+    text_length_buckets = 1024 // TEXT_BUCKET  # up to the tokenizer's 1024 tokens
     # Both streams' attention projections and MLPs: the Qwen-Image Flow-GRPO LoRA recipe (VeRL-Omni).
     default_lora_target_modules = (
         "to_q",
