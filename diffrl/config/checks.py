@@ -28,3 +28,14 @@ def require_positive(key: str, value: float) -> None:
 
 def require_at_least(key: str, value: float, low: float) -> None:
     require(value >= low, key, value, f"must be >= {low}")
+
+
+def require_step_range(key: str, value: Any) -> None:
+    """A [lo, hi) range of a schedule's step indices (None, meaning all steps, is not checked)."""
+    if value is not None:
+        require(
+            len(value) == 2 and 0 <= value[0] < value[1],
+            key,
+            value,
+            "must be [lo, hi) with 0 <= lo < hi (step indices of the rollout schedule), or null for all steps",
+        )

@@ -21,7 +21,14 @@ from diffrl.algos.kl import KL_STD_CHOICES
 from diffrl.algos.nft import NFT_ADV_MODES
 from diffrl.algos.rollout_correction import IS_LEVELS, IS_MODES, REJECTION_LEVELS, REJECTIONS
 from diffrl.algos.spec import DIRECT_PREFERENCE, SAMPLES
-from diffrl.config.checks import ConfigError, require, require_at_least, require_choice, require_positive
+from diffrl.config.checks import (
+    ConfigError,
+    require,
+    require_at_least,
+    require_choice,
+    require_positive,
+    require_step_range,
+)
 from diffrl.sde import SDE_KINDS
 
 __all__ = ["ConfigError"]  # re-exported: callers catch it from here
@@ -139,13 +146,7 @@ class SdeConfig:
             )
         if self.window_size is not None:
             require_at_least(f"{at}.window_size", self.window_size, 1)
-        if self.window_range is not None:
-            require(
-                len(self.window_range) == 2 and 0 <= self.window_range[0] < self.window_range[1],
-                f"{at}.window_range",
-                self.window_range,
-                "must be [lo, hi) with 0 <= lo < hi (step indices), or null for all steps",
-            )
+        require_step_range(f"{at}.window_range", self.window_range)
         require_choice(f"{at}.window_strategy", self.window_strategy, self.STRATEGIES)
         require_at_least(f"{at}.iters_per_group", self.iters_per_group, 1)
 
@@ -453,13 +454,7 @@ class AlgorithmConfig:
             self.timestep_fraction,
             "must be in (0, 1]",
         )
-        if self.train_step_range is not None:
-            require(
-                len(self.train_step_range) == 2 and 0 <= self.train_step_range[0] < self.train_step_range[1],
-                f"{at}.train_step_range",
-                self.train_step_range,
-                "must be [lo, hi) with 0 <= lo < hi (steps of the rollout schedule), or null for all steps",
-            )
+        require_step_range(f"{at}.train_step_range", self.train_step_range)
         self.old_policy.validate(f"{at}.old_policy")
         self.rollout_correction.validate(f"{at}.rollout_correction")
 
