@@ -76,15 +76,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     adapter = random_sd35_adapter(args.layers, device, dtype)
-    trained = update_batch(
-        adapter,
-        images=args.images,
-        n=args.n,
-        micro_batch=args.micro_batch,
-        size=args.size,
-        steps=args.steps,
-        window=args.window,
-    )
+    trained = update_batch(adapter, args)
     rollout = trained.rollout
     micro_batches = [
         trained.select(slice(s, s + args.micro_batch)) for s in range(0, len(rollout), args.micro_batch)

@@ -113,19 +113,20 @@ def random_sd35_adapter(layers: int, device: torch.device, dtype: torch.dtype) -
     return RandomTextSD3Adapter(pipe, device, dtype)
 
 
-def update_batch(
-    adapter: SD3Adapter, *, images: int, n: int, micro_batch: int, size: int, steps: int, window: int
-) -> PolicyGradientBatch:
-    """What the update benchmarks (`train_step.py`, `offload.py`) train on: one rollout of `images`
-    trajectories (`images // n` prompts × n, CFG 4.5, an SDE window of `window` steps in the first
-    half of `steps`) with advantages spread evenly over [-1, 1]. Seed 0: the same on every rank."""
+def update_batch(adapter: SD3Adapter, args: argparse.Namespace) -> PolicyGradientBatch:
+    """What the update benchmarks (`train_step.py`, `offload.py`) train on, from their shared flags:
+    one rollout of `args.images` trajectories (`images // n` prompts × `n`, `micro_batch` per
+    forward, `size`², CFG 4.5, an SDE window of `window` steps in the first half of `steps`) with
+    advantages spread evenly over [-1, 1]. Seed 0: the same on every rank."""
     rollout_cfg = RolloutConfig(
-        n=n,
-        micro_batch_size=micro_batch,
-        pipeline=PipelineConfig(height=size, width=size, num_inference_steps=steps, guidance_scale=4.5),
-        sde=SdeConfig(noise_level=0.7, window_size=window, window_range=[0, steps // 2]),
+        n=args.n,
+        micro_batch_size=args.micro_batch,
+        pipeline=PipelineConfig(
+            height=args.size, width=args.size, num_inference_steps=args.steps, guidance_scale=4.5
+        ),
+        sde=SdeConfig(noise_level=0.7, window_size=args.window, window_range=[0, args.steps // 2]),
     )
-    prompts = [f"prompt {i}" for i in range(images // n)]
+    prompts = [f"prompt {i}" for i in range(args.images // args.n)]
     rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(prompts, seed=0, step=0)
     advantages = torch.linspace(-1, 1, len(rollout), device=adapter.device)
     return PolicyGradientBatch(rollout, TrainingTargets(advantages_B=advantages, batch_size=[len(rollout)]))

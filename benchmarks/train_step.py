@@ -99,15 +99,7 @@ def main() -> None:
     adapter = random_sd35_adapter(args.layers, device, dtype)  # identical random weights on every rank
     # The whole global step's rollout on every rank (same seed), then each rank trains its shard:
     # exactly the global batch a single GPU trains.
-    trained = update_batch(
-        adapter,
-        images=args.images,
-        n=args.n,
-        micro_batch=args.micro_batch,
-        size=args.size,
-        steps=args.steps,
-        window=args.window,
-    )
+    trained = update_batch(adapter, args)
     rollout = trained.rollout
     per_rank = len(rollout) // world
     shard = trained.select(slice(rank * per_rank, (rank + 1) * per_rank))
