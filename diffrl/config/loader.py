@@ -2,7 +2,7 @@
 
 A preset or file may start from another one with a top-level `base: <preset or path>` key (a
 path relative to the file naming it): the base is merged first, then the file's own keys, so a
-variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: default` plus its loss).
+variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: default_20_steps` plus its loss).
 
 Mappings of named entries (`reward.functions`, each reward's `args`: every `dict[str, ...]` of the
 schema) merge entry by entry like everything else, and two more operations let a layer take entries
