@@ -12,7 +12,7 @@ def test_config_prints_the_default_resolved_config(capsys):
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     assert "rollout:\n" in out and "noise_level: 0.7" in out
-    assert "#   images_per_step: 32" in out  # derived values, as comments
+    assert "#   images_per_step: 64" in out  # derived values, as comments (16 prompts × 4 samples)
 
 
 def test_config_with_overrides(capsys):
