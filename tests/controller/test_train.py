@@ -176,12 +176,14 @@ def test_preset_typo(capsys):
     assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
 
 
-def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch):
-    """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), shrunk
-    to two small steps: it completes, validates before and after, and writes the report."""
+@pytest.mark.parametrize("preset", [None, "shapes_async"])
+def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset):
+    """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), and its
+    one-step-off form with a separate trainer and rollout replica (`shapes_async`), shrunk to two
+    small steps: each completes, validates before and after, and writes the report."""
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
     run_dir = train(
-        None,
+        preset,
         [
             "trainer.total_steps=2",
             "trainer.test_freq=2",
