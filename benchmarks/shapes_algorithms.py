@@ -94,6 +94,7 @@ ALGORITHMS = {
     "shapes_mixgrpo": "MixGRPO",
     "shapes_dancegrpo": "DanceGRPO",
     "shapes_nft": "DiffusionNFT",
+    "shapes_nft_cfg_free": "DiffusionNFT (CFG-free)",
     "shapes_awm": "AWM",
     "shapes_dpo": "online Diffusion-DPO",
 }

@@ -176,11 +176,15 @@ def test_preset_typo(capsys):
     assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset", [None, "shapes_async"])
-def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset):
-    """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), and its
-    one-step-off form with a separate trainer and rollout replica (`shapes_async`), shrunk to two
-    small steps: each completes, validates before and after, and writes the report."""
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    [(None, []), ("shapes_async", []), ("shapes_nft_cfg_free", ["algorithm.train_step_range=[0,3]"])],
+)
+def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, extra):
+    """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), its
+    one-step-off form with a separate trainer and rollout replica (`shapes_async`), and the
+    CFG-free DiffusionNFT job that learns on a laptop (`shapes_nft_cfg_free`), shrunk to two small
+    steps: each completes, validates before and after, and writes the report."""
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
     run_dir = train(
         preset,
@@ -198,6 +202,7 @@ def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset):
             "rollout.pipeline.num_inference_steps=4",
             "rollout.sde.window_range=[0,3]",
             "rollout.val.n=1",
+            *extra,
         ],
     )
     metrics = read_metrics(run_dir)
