@@ -178,6 +178,7 @@ def test_preset_typo(capsys):
 
 @pytest.mark.parametrize(
     ("preset", "extra"),
+    # shapes_nft_cfg_free trains on steps 0-5, beyond the shrunk 4-step schedule: its range shrinks too
     [(None, []), ("shapes_async", []), ("shapes_nft_cfg_free", ["algorithm.train_step_range=[0,3]"])],
 )
 def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, extra):
