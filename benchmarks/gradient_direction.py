@@ -2,7 +2,7 @@
 
     python benchmarks/gradient_direction.py "three squares" [--samples 4096] [--alphas 0,0.03,-0.03,0.1,-0.1] [key=value ...]
 
-On one shapes prompt with the `default` preset (plus overrides, e.g. `rollout.sde.window_range=[3,5]`
+On one shapes prompt with the `shapes_flow_grpo` preset (plus overrides, e.g. `rollout.sde.window_range=[3,5]`
 or `model.lora.rank=0`): sample `--samples` SDE-window trajectories, score them with the shapes
 verifier, accumulate the Flow-GRPO gradient g of that batch (on-policy: ratio 1, so it is the
 REINFORCE estimate), then for each α set the weights to θ − α·g/|g| (α > 0 is the estimated
@@ -40,7 +40,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     n = args.samples
     cfg = load_config(
-        "default",
+        "shapes_flow_grpo",
         [
             f"rollout.n={n}",
             f"rollout.micro_batch_size={args.micro}",
@@ -61,7 +61,7 @@ def main() -> None:
     start = time.perf_counter()
     rollout = sampler.sample([args.prompt], seed=0, step=3)
     correct, partial = score(rollout.samples.pixels)
-    rewards = torch.tensor(partial, dtype=torch.float32)  # the default preset's reward: partial credit
+    rewards = torch.tensor(partial, dtype=torch.float32)  # partial credit, as the recorded results used
     advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
     trained = PolicyGradientBatch(rollout, TrainingTargets(advantages_B=advantages, batch_size=[n]))
     engine.forward_backward([trained.select(slice(i, i + args.micro)) for i in range(0, n, args.micro)])

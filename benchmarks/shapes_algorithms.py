@@ -7,8 +7,8 @@
         [--table] [--table-out FILE]
 
 Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset:
-`default` (Flow-GRPO) and each `shapes_*` preset but `shapes_sft` (supervised) and `shapes_async`
-(Flow-GRPO with another placement)), all with the same GPU-scale overrides: 32 prompts × 16
+each `shapes_*` preset but `shapes_sft` (supervised) and `shapes_async` (Flow-GRPO with another
+placement); `default` is `shapes_nft_cfg_free` under another name), all with the same GPU-scale overrides: 32 prompts × 16
 samples per step, one optimizer step per step, 4 validation samples per prompt, validation before
 training and every `--val-every` steps. Extra `key=value` overrides after `--` apply to every run
 and win over these.
@@ -43,7 +43,7 @@ DiffusionNFT and AWM), to fill the budget and keep each command near 10 minutes;
 `stopped_by` is "steps" ended before its budget and wants more `--steps`:
 
     OUT=runs/bench_shapes
-    for p in default shapes_grpo_guard shapes_flow_dppo shapes_mixgrpo; do
+    for p in shapes_flow_grpo shapes_grpo_guard shapes_flow_dppo shapes_mixgrpo; do
       python benchmarks/shapes_algorithms.py $p --steps 200 --max-minutes 5 --out $OUT --json-out $OUT/runs.jsonl
     done
     python benchmarks/shapes_algorithms.py shapes_dpo --steps 300 --max-minutes 5 --out $OUT --json-out $OUT/runs.jsonl
@@ -52,8 +52,8 @@ DiffusionNFT and AWM), to fill the budget and keep each command near 10 minutes;
     done
     python benchmarks/shapes_algorithms.py --from-json $OUT/runs.jsonl --max-minutes 5 --table-out $OUT/table.md
 
-A preset whose learning rate decays over `trainer.total_steps` (`default`: cosine) has not
-finished decaying where the budget cuts it.
+A preset whose learning rate decays over `trainer.total_steps` (e.g. `actor.optim.scheduler=cosine`)
+has not finished decaying where the budget cuts it.
 
 The held-out runs in docs/shapes.md and docs/performance.md (before this script defaulted to the
 train split and a validation every 5 steps) validated every `--steps // 3` steps: repeat them with
@@ -88,7 +88,7 @@ GPU_SCALE = [
 
 #: The algorithm each preset trains, as docs/algorithms.md names it (other presets: their loss).
 ALGORITHMS = {
-    "default": "Flow-GRPO",
+    "shapes_flow_grpo": "Flow-GRPO",
     "shapes_grpo_guard": "GRPO-Guard",
     "shapes_flow_dppo": "Flow-DPPO",
     "shapes_mixgrpo": "MixGRPO",
@@ -107,7 +107,7 @@ THROUGHPUT = "throughput/images_per_s_per_gpu"
 
 
 def default_presets() -> list[str]:
-    return ["default"] + [n for n in preset_names() if n.startswith("shapes_") and n not in NOT_ALGORITHMS]
+    return [n for n in preset_names() if n.startswith("shapes_") and n not in NOT_ALGORITHMS]
 
 
 def curve_summary(

@@ -4,7 +4,7 @@
 
 The lead of issue 17: with the Flow-GRPO SDE on the last step the final sample keeps noise of std
 η·sqrt(σ/(1−σ))·sqrt(σ) (diffrl/sde.py), and the toy model is pixel space, so the verifier would
-read that noise. This samples the `default` preset's held-out validation file (`data.val_files`)
+read that noise. This samples the `shapes_flow_grpo` preset's held-out validation file (`data.val_files`)
 with `toy:shapes`, `--n` samples per prompt, under five samplers that all start from the same
 initial noise (sample i is keyed (seed, 0, i) in both `sample_validation` and `sample`):
 
@@ -81,7 +81,7 @@ def main() -> None:
     if args.n < 2:
         raise ValueError(f"--n {args.n}: rollout.n must be >= 2 for training rollouts; pass --n 2 or more")
 
-    base = load_config("default", overrides)
+    base = load_config("shapes_flow_grpo", overrides)
     records = load_prompts([data_path(p) for p in base.data.val_files], base.data.prompt_key)
     if args.rows is not None:
         records = records[: args.rows]
@@ -96,7 +96,7 @@ def main() -> None:
     rollouts, results = {}, {}
     for name, extra in SAMPLERS.items():
         cfg = load_config(
-            "default",
+            "shapes_flow_grpo",
             [
                 *overrides,
                 *(extra or []),

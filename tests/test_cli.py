@@ -12,7 +12,7 @@ def test_config_prints_the_default_resolved_config(capsys):
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     assert "rollout:\n" in out and "noise_level: 0.7" in out
-    assert "#   images_per_step: 64" in out  # derived values, as comments (16 prompts × 4 samples)
+    assert "#   images_per_step: 128" in out  # derived values, as comments (32 prompts × 4 samples)
 
 
 def test_config_with_overrides(capsys):
@@ -50,7 +50,12 @@ def test_presets_lists_every_preset_with_its_summary(capsys):
     out = capsys.readouterr().out
     for name in preset_names():
         assert name in out
-    assert "Flow-GRPO on the shapes world on a CPU." in " ".join(out.split())
+    listing = " ".join(out.split())
+    assert (
+        "default The default job (`diffrl train` with no arguments): DiffusionNFT on the shapes world"
+        in listing
+    )
+    assert "shapes_flow_grpo Flow-GRPO on the shapes world on a CPU:" in listing
 
 
 def test_console_script_is_installed_and_returns_exit_codes():

@@ -117,7 +117,8 @@ def test_options_and_overrides():
         with pytest.raises(SystemExit):
             sa.parse_args(bad)
     presets = sa.default_presets()
-    assert presets[0] == "default" and set(sa.ALGORITHMS) <= set(presets)
+    assert "shapes_flow_grpo" in presets and "default" not in presets  # default is shapes_nft_cfg_free
+    assert set(sa.ALGORITHMS) <= set(presets)
     assert not set(sa.NOT_ALGORITHMS) & set(presets)
 
 
@@ -142,7 +143,7 @@ def result(preset, algorithm, steps_to_target, train_s_to_target, best, best_ste
 def test_the_markdown_table_has_one_row_per_run():
     table = sa.markdown_table(
         [
-            result("default", "Flow-GRPO", 25, 54.4, 0.93, 40),
+            result("shapes_flow_grpo", "Flow-GRPO", 25, 54.4, 0.93, 40),
             result("shapes_awm", "AWM", None, None, 0.61, 35),
         ]
     )
@@ -150,16 +151,16 @@ def test_the_markdown_table_has_one_row_per_run():
     assert header.count("|") == rule.count("|") == rows[0].count("|") == rows[1].count("|") == 8
     assert "steps to train accuracy 0.9" in header and "budget 600 s" in header
     assert rows == [
-        "| Flow-GRPO (`default`) | flow_grpo | 812.4 | 25 | 54 | 0.930 (40) | 60 (132) |",
+        "| Flow-GRPO (`shapes_flow_grpo`) | flow_grpo | 812.4 | 25 | 54 | 0.930 (40) | 60 (132) |",
         "| AWM (`shapes_awm`) | flow_grpo | 812.4 | not reached | — | 0.610 (35) | 60 (132) |",
     ]
     heldout = {**result("shapes_dpo", "DPO", 3, 1.0, 0.95, 3), "split": "heldout"}
     with pytest.raises(ValueError, match=r"different splits \['heldout', 'train'\]"):
-        sa.markdown_table([result("default", "Flow-GRPO", 25, 54.4, 0.93, 40), heldout])
+        sa.markdown_table([result("shapes_flow_grpo", "Flow-GRPO", 25, 54.4, 0.93, 40), heldout])
 
 
-def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypatch, capsys):
-    """The script's whole path on CPU: two tiny steps of `default`, validated on a 2-prompt train file."""
+def test_main_trains_the_flow_grpo_preset_and_reports_its_curve(tmp_path, monkeypatch, capsys):
+    """The script's whole path on CPU: two tiny steps of `shapes_flow_grpo`, validated on a 2-prompt train file."""
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
     builtin = Path(sa.__file__).resolve().parents[1] / "diffrl/config/presets/data/shapes_train.jsonl"
     train_file = tmp_path / "train.jsonl"
@@ -177,13 +178,13 @@ def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypa
         "actor.micro_batch_size=4",
         "rollout.val.n=1",
     ]
-    argv = ["default", "--steps", "2", "--val-every", "1", "--target", "0", "--out", str(tmp_path)]
+    argv = ["shapes_flow_grpo", "--steps", "2", "--val-every", "1", "--target", "0", "--out", str(tmp_path)]
     (res,) = sa.main([*argv, "--table-out", str(table), "--json-out", str(runs), "--", *tiny])
 
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed == [res] == [json.loads(line) for line in runs.read_text().splitlines()]
     assert (res["preset"], res["algorithm"], res["loss"], res["split"]) == (
-        "default",
+        "shapes_flow_grpo",
         "Flow-GRPO",
         "flow_grpo",
         "train",
@@ -204,7 +205,7 @@ def test_main_trains_the_default_preset_and_reports_its_curve(tmp_path, monkeypa
     assert (res["steps_to_target"], res["train_s_to_target"]) == (0, 0.0)  # target 0: met before training
     step2 = next(r for r in lines if r["step"] == 2)
     assert res["images_per_s_per_gpu"] == pytest.approx(step2["throughput/images_per_s_per_gpu"], abs=0.01)
-    assert "| Flow-GRPO (`default`) | flow_grpo |" in table.read_text()
+    assert "| Flow-GRPO (`shapes_flow_grpo`) | flow_grpo |" in table.read_text()
 
     # The same run summarised again without training: the same result for the same target, and
     # a budget shorter than step 1 leaves only the validation before training.

@@ -47,7 +47,7 @@ def test_overrides_reach_the_dataclass():
 
 
 def test_preset_values_override_schema_defaults_and_nothing_else():
-    preset = load_config("default")
+    preset = load_config("shapes_flow_grpo")
     defaults = Config()
     assert preset.rollout.pipeline.height != defaults.rollout.pipeline.height  # the preset shrinks it
     assert preset.actor.loss == defaults.actor.loss  # and does not mention the loss
@@ -76,11 +76,13 @@ def test_yaml_file_source(tmp_path):
 def test_base_chains_merge_outermost_first(tmp_path):
     """`base:` merges the named preset or file first; a relative path is relative to the naming file;
     the command line still wins; a loop is an error naming the chain."""
-    (tmp_path / "mid.yaml").write_text("base: default\nrollout:\n  n: 16\nactor:\n  optim:\n    lr: 1.0e-5\n")
+    (tmp_path / "mid.yaml").write_text(
+        "base: shapes_flow_grpo\nrollout:\n  n: 16\nactor:\n  optim:\n    lr: 1.0e-5\n"
+    )
     (tmp_path / "top.yaml").write_text("base: mid.yaml\nactor:\n  loss:\n    mode: grpo_guard\n")
     cfg = load_config(str(tmp_path / "top.yaml"), ["actor.optim.lr=2e-5"])
-    default = load_config("default")
-    assert cfg.model.path == default.model.path  # from default
+    base = load_config("shapes_flow_grpo")
+    assert cfg.model.path == base.model.path  # from shapes_flow_grpo
     assert cfg.rollout.n == 16  # from mid.yaml
     assert cfg.actor.loss.mode == "grpo_guard"  # from top.yaml
     assert cfg.actor.optim.lr == 2e-5  # the command line wins
@@ -186,7 +188,7 @@ def test_wrong_type_names_key_value_and_expected_type():
 )
 def test_out_of_range_values_name_key_value_and_allowed(override, expected):
     with pytest.raises(ConfigError, match=expected):
-        load_config("default", [override])
+        load_config("shapes_flow_grpo", [override])
 
 
 def test_train_step_range_is_for_the_losses_that_noise_clean_samples():
@@ -222,12 +224,12 @@ def test_reward_names_and_args_are_checked_before_anything_loads():
 def test_window_must_fit_the_steps():
     # window_size larger than the number of steps
     with pytest.raises(ConfigError, match=r"rollout\.sde\.window_size=11 is invalid: must be <= .* 10"):
-        load_config("default", ["rollout.sde.window_range=null", "rollout.sde.window_size=11"])
+        load_config("shapes_flow_grpo", ["rollout.sde.window_range=null", "rollout.sde.window_size=11"])
     # a window range reaching past the last step
     with pytest.raises(ConfigError, match=r"rollout\.sde\.window_range=\[2, 12\] is invalid: must end .*=10"):
-        load_config("default", ["rollout.sde.window_range=[2,12]"])
+        load_config("shapes_flow_grpo", ["rollout.sde.window_range=[2,12]"])
     # exactly fitting is fine
-    cfg = load_config("default", ["rollout.sde.window_range=[4,10]", "rollout.sde.window_size=6"])
+    cfg = load_config("shapes_flow_grpo", ["rollout.sde.window_range=[4,10]", "rollout.sde.window_size=6"])
     assert cfg.rollout.sde_window_range == (4, 10) and cfg.rollout.sde_window_size == 6
 
 

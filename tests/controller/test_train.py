@@ -178,14 +178,14 @@ def test_preset_typo(capsys):
 
 @pytest.mark.parametrize(
     ("preset", "extra"),
-    # shapes_nft_cfg_free trains on steps 0-5, beyond the shrunk 4-step schedule: its range shrinks too
-    [(None, []), ("shapes_async", []), ("shapes_nft_cfg_free", ["algorithm.train_step_range=[0,3]"])],
+    # the default job trains on steps 0-4, beyond the shrunk 4-step schedule: its range shrinks too
+    [(None, ["algorithm.train_step_range=[0,3]"]), ("shapes_flow_grpo", []), ("shapes_async", [])],
 )
 def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, extra):
-    """The default job (Flow-GRPO on the shapes world with the shipped toy:shapes model), its
-    one-step-off form with a separate trainer and rollout replica (`shapes_async`), and the
-    CFG-free DiffusionNFT job that learns on a laptop (`shapes_nft_cfg_free`), shrunk to two small
-    steps: each completes, validates before and after, and writes the report."""
+    """The default job (CFG-free DiffusionNFT on the shapes world with the shipped toy:shapes
+    model), Flow-GRPO's CPU job (`shapes_flow_grpo`) and its one-step-off form with a separate
+    trainer and rollout replica (`shapes_async`), shrunk to two small steps: each completes,
+    validates before and after, and writes the report."""
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
     run_dir = train(
         preset,
@@ -201,6 +201,7 @@ def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, 
             "actor.mini_batch_size=8",
             "actor.micro_batch_size=8",
             "rollout.pipeline.num_inference_steps=4",
+            "rollout.val.num_inference_steps=4",
             "rollout.sde.window_range=[0,3]",
             "rollout.val.n=1",
             *extra,
