@@ -83,6 +83,8 @@ def test_sft_lowers_the_loss_and_exports_a_model_that_evaluates_like_its_checkpo
             "rollout.pipeline.height=32",
             "rollout.pipeline.width=32",
             "rollout.pipeline.num_inference_steps=3",
+            "rollout.val.num_inference_steps=null",  # the run's sampler (the schema's), not the
+            "rollout.pipeline.guidance_scale=4.5",  # default preset's 10-step CFG-free validation
             "rollout.sde.window_range=[0,2]",
             "rollout.pipeline.max_sequence_length=1",
             "model.dtype=float32",

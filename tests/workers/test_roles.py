@@ -11,7 +11,7 @@ PROMPTS = ["a red circle", "a blue square"]
 @pytest.fixture()
 def cfg(tiny_model):
     return load_config(
-        "default",
+        "shapes_flow_grpo",
         [
             f"model.path={tiny_model('sd3')}",
             "model.lora.rank=4",
