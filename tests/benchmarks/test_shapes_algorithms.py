@@ -100,7 +100,7 @@ def test_bad_inputs_name_the_value():
 
 
 def test_the_train_split_validates_on_the_presets_training_prompts_and_heldout_keeps_its_file():
-    for preset in ("default", "shapes_nft"):
+    for preset in ("shapes_flow_grpo", "shapes_nft"):  # one of each trainer type
         cfg = load_config(preset)
         train = load_config(preset, sa.validation_override("train", cfg.data.train_files))
         assert train.data.val_files == ["builtin:shapes_train.jsonl"] == cfg.data.train_files
