@@ -240,12 +240,12 @@ def awm_term(
     batch: Any, noise: torch.Tensor, sigmas_B: torch.Tensor, cfg: LossConfig, net: Velocities, adv_mode: str
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The AWM loss of a micro-batch of clean samples at one noise level per sample, on-policy
-    (ρ ≡ 1): v_ref and v_ema (the `old` adapter) only when their KL terms are on, then v_θ.
+    (ρ ≡ 1): v_θ, then v_ref and v_ema (the `old` adapter) only when their KL terms are on.
     `adv_mode` is DiffusionNFT's; AWM weights by the advantages themselves."""
     x_t = interpolate(batch.latents, noise, sigmas_B)
-    v_ref = net.reference(x_t, sigmas_B, batch.cond) if cfg.kl_coef > 0 else None
-    v_ema = net.old(x_t, sigmas_B, batch.cond) if cfg.awm_ema_kl_coef > 0 else None
     v = net.trained(x_t, sigmas_B, batch.cond)
+    v_ref = net.reference(x_t, sigmas_B, batch.cond) if cfg.kl_coef > 0 else None
+    v_ema = net.old(x_t, sigmas_B, batch.cond, trained=v) if cfg.awm_ema_kl_coef > 0 else None
     inputs = AWMInputs(
         batch.advantages_B.to(v.device),
         batch.latents,

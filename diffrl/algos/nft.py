@@ -329,11 +329,12 @@ def nft_term(
     batch: Any, noise: torch.Tensor, sigmas_B: torch.Tensor, cfg: LossConfig, net: Velocities, adv_mode: str
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The DiffusionNFT loss of a micro-batch of clean samples (`latents`, `cond`, `advantages_B`)
-    at one noise level per sample: v_old, v_ref (when kl_coef > 0), then v_θ."""
+    at one noise level per sample: v_θ, v_old (v_θ detached while the old adapter equals the
+    trained one) and v_ref (when kl_coef > 0)."""
     x_t = interpolate(batch.latents, noise, sigmas_B)
-    v_old = net.old(x_t, sigmas_B, batch.cond)
-    v_ref = net.reference(x_t, sigmas_B, batch.cond) if cfg.kl_coef > 0 else None
     v = net.trained(x_t, sigmas_B, batch.cond)
+    v_old = net.old(x_t, sigmas_B, batch.cond, trained=v)
+    v_ref = net.reference(x_t, sigmas_B, batch.cond) if cfg.kl_coef > 0 else None
     reward_prob_B = optimality_probability(batch.advantages_B.to(v.device), cfg.adv_clip_max, adv_mode)
     inputs = NFTInputs(reward_prob_B, batch.latents, x_t, sigmas_B.to(v.device), v_old, v_ref)
     return DiffusionNFTLoss().compute(inputs, v, cfg)

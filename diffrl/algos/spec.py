@@ -48,11 +48,14 @@ PAIRS = "pairs"
 
 class Velocities(Protocol):
     """The network's fp32 velocity at (x_t, σ_B) under each policy a forward-process term may read;
-    `trained` carries the gradient, `old` (the `old` adapter) and `reference` do not."""
+    `trained` carries the gradient, `old` (the `old` adapter) and `reference` do not. A term that
+    has the trained velocity at the same point passes it to `old` as `trained`: when the old
+    adapter's weights equal the trained one's, `old` returns it detached instead of running the
+    network again."""
 
     def trained(self, x_t: Any, sigmas_B: Any, cond: Any) -> Any: ...
 
-    def old(self, x_t: Any, sigmas_B: Any, cond: Any) -> Any: ...
+    def old(self, x_t: Any, sigmas_B: Any, cond: Any, trained: Any = None) -> Any: ...
 
     def reference(self, x_t: Any, sigmas_B: Any, cond: Any) -> Any: ...
 

@@ -58,6 +58,10 @@ class LoraConfig:
     alpha: float = 64.0
     target_modules: list[str] | None = None  # None = the model adapter's declared defaults
     init: str = "gaussian"  # peft's init_lora_weights
+    # forward passes without gradients (rollouts, validation, the old policy's velocities) run with
+    # the adapter merged into a copy of the targeted weights: one matmul per layer instead of three
+    # (diffrl.train.lora.merged_lora). Direct-preference losses on unsharded weights only.
+    merge_inference: bool = False
 
     # Only inits that leave the base weights untouched: the reference policy is "adapters disabled",
     # which pissa/olora (they subtract from the base weights) would silently change.

@@ -197,6 +197,7 @@ def probe_scorers(specs: Sequence[Any]) -> None:
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
     _check_trainer_type(cfg)
+    _check_merge_inference(cfg)
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
@@ -206,6 +207,30 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
         pipe = cfg.rollout.pipeline
         check_pairs(train, cfg.data.chosen_key, cfg.data.rejected_key, pipe.height, pipe.width)
     return train, val
+
+
+def _check_merge_inference(cfg: Config) -> None:
+    """model.lora.merge_inference: where merged weights are safe and possible."""
+    if not cfg.model.lora.merge_inference:
+        return
+    if cfg.model.lora.rank <= 0:
+        raise ConfigError(
+            "model.lora.merge_inference=true needs LoRA adapters to merge, but model.lora.rank=0 (full "
+            "fine-tuning samples with the trained weights as they are): set model.lora.merge_inference=false"
+        )
+    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE:
+        raise ConfigError(
+            "model.lora.merge_inference=true with algorithm.trainer_type="
+            f"{cfg.algorithm.trainer_type}: merged weights give velocities that differ from the trained "
+            "adapter's in the last bits, and the policy-gradient loss compares the rollout's SDE "
+            "log-probabilities with the trainer's exactly (a clip range of 1e-4 sees that). Set "
+            "model.lora.merge_inference=false, or use a direct-preference loss (diffusion_nft, awm, dpo)"
+        )
+    if cfg.actor.strategy == "fsdp2" and cfg.world_size > 1:
+        raise ConfigError(
+            f"model.lora.merge_inference=true needs unsharded weights, but actor.strategy=fsdp2 shards them "
+            f"over {cfg.world_size} workers: set actor.strategy=none (one worker) or model.lora.merge_inference=false"
+        )
 
 
 def _check_trainer_type(cfg: Config) -> None:

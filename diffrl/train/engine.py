@@ -35,7 +35,7 @@ import copy
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,7 +47,7 @@ from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.train.batch import PolicyGradientBatch
-from diffrl.train.lora import inject_lora
+from diffrl.train.lora import inject_lora, merged_lora
 from diffrl.transition import Rollout, evaluate_step, evaluate_window
 
 POLICY = "default"
@@ -217,6 +217,13 @@ class TrainEngine:
                 self.adapter.pipe.transformer = trained
             return
         raise ValueError(f"unknown policy {name!r}; choose {POLICY}, {OLD} or {REFERENCE}")
+
+    def inference_policy(self, name: str) -> AbstractContextManager[None]:
+        """`use_policy(name)` for forward passes without gradients: with
+        model.lora.merge_inference the trained or old adapter runs merged into the weights."""
+        if self.lora and self.model_cfg.lora.merge_inference and name in (POLICY, OLD):
+            return merged_lora(self.transformer, name)
+        return self.use_policy(name)
 
     def _adapter_pairs(self, src: str, dst: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         params = dict(self.transformer.named_parameters())
@@ -433,6 +440,26 @@ class TrainEngine:
         self.optim_steps = int(extra.pop("optim_steps", 0))
         self.skipped_steps = int(extra.pop("skipped_steps", 0))
         return extra
+
+    def adapters_equal(self, a: str = POLICY, b: str = OLD) -> bool:
+        """Whether adapters `a` and `b` hold identical weights on every rank (False without LoRA or
+        without both): all ranks must agree, since it decides how many forward passes each runs.
+        The `old` adapter equals the trained one after a copy or an EMA at decay 0 (until the next
+        optimizer step); the old policy's velocity is then the trained one's, detached."""
+        if not self.lora:
+            return False
+        names = {n for n, _ in self.transformer.named_parameters()}
+        if not any(f".{b}." in n for n in names) or not any(f".{a}." in n for n in names):
+            return False
+        equal = all(
+            torch.equal(getattr(x, "_local_tensor", x), getattr(y, "_local_tensor", y))
+            for x, y in self._adapter_pairs(a, b)
+        )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([int(equal)], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            equal = bool(flag.item())
+        return equal
 
     def export_lora(self, out_dir: str | Path, adapter_name: str = POLICY) -> Path:
         from diffrl.train.export import export_lora

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig as PeftLoraConfig
+from peft.tuners.lora import LoraLayer
 
 from diffrl.config.schema import LoraConfig
 from diffrl.models.base import ModelAdapter
@@ -48,3 +50,54 @@ def inject_lora(adapter: ModelAdapter, lora: LoraConfig, names: Sequence[str], s
     cast_training_params(adapter.transformer, torch.float32)
     adapter.lora_autocast = adapter.dtype in (torch.bfloat16, torch.float16)
     return targets
+
+
+@contextmanager
+def merged_lora(transformer: torch.nn.Module, name: str) -> Iterator[None]:
+    """Run `transformer` as its base weights plus LoRA adapter `name`, merged: inside the block
+    every targeted layer's base weight is replaced by W + ΔW (peft's `get_delta_weight`, summed in
+    fp32 and cast to W's dtype) and the adapters are off, so each layer is one matmul instead of
+    three. For forward passes without gradients (rollouts, validation, the `old` policy's
+    velocities); nothing in the block may update the weights.
+
+    The original weight tensors are put back afterwards, untouched: nothing is added to them and
+    subtracted again (peft's merge/unmerge), which would leave rounding drift in the base weights
+    and break exact resume. The cost is one extra copy of the targeted weights while the block
+    runs. With a 16-bit base the merged weight is rounded to that dtype, so an update much smaller
+    than W's own precision is lost at sampling time (the trained fp32 adapter keeps it).
+    """
+    layers = [m for m in transformer.modules() if isinstance(m, LoraLayer) and name in m.lora_A]
+    if not layers:
+        raise ValueError(f"no LoRA adapter named {name!r} in the transformer: nothing to merge")
+    swapped = []
+    with torch.no_grad():
+        for layer in layers:
+            base = layer.get_base_layer()
+            weight = base.weight
+            if not isinstance(weight, torch.Tensor) or type(weight.data) is not torch.Tensor:
+                raise ValueError(
+                    "model.lora.merge_inference needs unsharded weights (actor.strategy=none or a rollout "
+                    f"replica); {type(layer).__name__} holds a {type(weight.data).__name__}"
+                )
+            delta = layer.get_delta_weight(name).to(torch.float32)
+            merged = (weight.to(torch.float32) + delta).to(weight.dtype)
+            swapped.append((base, weight, torch.nn.Parameter(merged, requires_grad=False)))
+    # peft's enable_adapters also sets the adapters' requires_grad: restore them as they were
+    adapter_params = [
+        p for layer in layers for key in layer.adapter_layer_names for p in getattr(layer, key).parameters()
+    ]
+    requires_grad = [p.requires_grad for p in adapter_params]
+    was_disabled = [layer.disable_adapters for layer in layers]
+    for base, _, merged in swapped:
+        base.weight = merged
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for base, original, _ in swapped:
+            base.weight = original
+        for layer, disabled in zip(layers, was_disabled, strict=True):
+            layer.enable_adapters(not disabled)
+        for p, flag in zip(adapter_params, requires_grad, strict=True):
+            p.requires_grad_(flag)

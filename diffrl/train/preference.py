@@ -119,8 +119,10 @@ def velocity(
     *,
     grad: bool,
 ) -> torch.Tensor:
-    """fp32 velocity of `policy` (trained, old or reference) at (latents, σ); with grad or not."""
-    with torch.set_grad_enabled(grad), engine.use_policy(policy):
+    """fp32 velocity of `policy` (trained, old or reference) at (latents, σ); with grad or not
+    (without: `engine.inference_policy`, merged when model.lora.merge_inference asks)."""
+    policy_context = engine.use_policy(policy) if grad else engine.inference_policy(policy)
+    with torch.set_grad_enabled(grad), policy_context:
         return engine.adapter.velocity(
             latents,
             sigmas_B.to(latents.device) * NUM_TRAIN_TIMESTEPS,
@@ -136,15 +138,26 @@ def velocity(
 @dataclass(frozen=True)
 class EngineVelocities:
     """The engine's policies as an algorithm's term sees them (`diffrl.algos.Velocities`), each
-    called the way the rollout called the network."""
+    called the way the rollout called the network. `old_is_trained`: the `old` adapter holds the
+    trained one's weights (`TrainEngine.adapters_equal`, checked once per optimizer step), so its
+    velocity is the trained velocity, detached, without a forward pass of its own."""
 
     engine: TrainEngine
     call: VelocityCall
+    old_is_trained: bool = False
 
     def trained(self, x_t: torch.Tensor, sigmas_B: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
         return velocity(self.engine, POLICY, x_t, sigmas_B, cond, self.call, grad=True)
 
-    def old(self, x_t: torch.Tensor, sigmas_B: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
+    def old(
+        self,
+        x_t: torch.Tensor,
+        sigmas_B: torch.Tensor,
+        cond: PromptEmbeds,
+        trained: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if trained is not None and self.old_is_trained:
+            return trained.detach()
         return velocity(self.engine, OLD, x_t, sigmas_B, cond, self.call, grad=False)
 
     def reference(self, x_t: torch.Tensor, sigmas_B: torch.Tensor, cond: PromptEmbeds) -> torch.Tensor:
@@ -205,9 +218,9 @@ def forward_process_backward(
     """
     loss_cfg = engine.cfg.loss
     spec = _direct_preference_spec(loss_cfg.mode, SAMPLES)
-    net = EngineVelocities(engine, call)
     if not micro_batches:
         raise ValueError("forward_process_backward needs at least one micro-batch")
+    net = EngineVelocities(engine, call, old_is_trained=engine.adapters_equal(POLICY, OLD))
     device = engine.adapter.device
     total = sum(len(mb) for mb in micro_batches)
     terms = []

@@ -32,7 +32,7 @@ from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine
-from diffrl.train.lora import inject_lora
+from diffrl.train.lora import inject_lora, merged_lora
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
 
 
@@ -120,7 +120,12 @@ class RolloutWorker:
 
     @contextmanager
     def _set_adapter(self, policy: str) -> Iterator[None]:
-        """A replica samples as policy `policy` (`old` for DiffusionNFT) by switching peft's adapter."""
+        """A replica samples as policy `policy` (`old` for DiffusionNFT) by switching peft's adapter,
+        or with model.lora.merge_inference by merging it into the weights."""
+        if self.cfg.model.lora.rank > 0 and self.cfg.model.lora.merge_inference:
+            with merged_lora(self.adapter.transformer, policy):
+                yield
+            return
         if policy == POLICY:
             yield
             return
@@ -139,7 +144,7 @@ class RolloutWorker:
         uids: Sequence[str] | None = None,
         metadata: Sequence[dict[str, Any]] | None = None,
     ) -> Rollout:
-        with torch.no_grad():
+        with torch.no_grad(), self._use_policy(POLICY):
             return self.sampler.sample(prompts, seed=seed, step=step, uids=uids, metadata=metadata)
 
     def sample_and_score(
@@ -180,13 +185,14 @@ class RolloutWorker:
 
     def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
         """`sample_validation` of a shard of prompts, scored."""
-        rollout = self.sampler.sample_validation(
-            shard.prompts,
-            uids=shard.uids,
-            metadata=shard.metadata,
-            negative_prompts=shard.negative_prompts,
-            sample_offset=shard.sample_offset,
-        ).to("cpu")
+        with self._use_policy(POLICY):
+            rollout = self.sampler.sample_validation(
+                shard.prompts,
+                uids=shard.uids,
+                metadata=shard.metadata,
+                negative_prompts=shard.negative_prompts,
+                sample_offset=shard.sample_offset,
+            ).to("cpu")
         handles: list[Any] = []
         _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
         rollout.extras["reward_handles"] = handles
@@ -585,7 +591,7 @@ class HybridWorker(ActorWorker):
         with_reference: bool | None = None,
     ):
         super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference)
-        self.rollout = RolloutWorker(cfg, self.engine.adapter, use_policy=self.engine.use_policy)
+        self.rollout = RolloutWorker(cfg, self.engine.adapter, use_policy=self.engine.inference_policy)
 
     def sample(self, prompts: Sequence[str], **kwargs) -> Rollout:
         return self.rollout.sample(prompts, **kwargs)

@@ -221,6 +221,26 @@ def test_offline_dpo_encodes_the_dataset_once_and_a_resumed_run_reuses_it(tmp_pa
             ],
             "algorithm.old_policy has no effect",
         ),
+        (["model.lora.merge_inference=true"], "the policy-gradient loss compares the rollout's SDE"),
+        (
+            [
+                "model.lora.merge_inference=true",
+                "model.lora.rank=0",
+                "algorithm.trainer_type=direct_preference",
+                "actor.loss.mode=awm",
+            ],
+            "needs LoRA adapters to merge",
+        ),
+        (
+            [
+                "model.lora.merge_inference=true",
+                "algorithm.trainer_type=direct_preference",
+                "actor.loss.mode=awm",
+                "actor.strategy=fsdp2",
+                "trainer.n_gpus_per_node=2",
+            ],
+            "needs unsharded weights",
+        ),
     ],
 )
 def test_mismatched_settings_fail_before_anything_starts(tmp_path, capsys, overrides, message):

@@ -3,7 +3,7 @@ import torch
 
 from diffrl.config.schema import LoraConfig
 from diffrl.models import load_model
-from diffrl.train.lora import inject_lora
+from diffrl.train.lora import inject_lora, merged_lora
 
 
 def _velocity(adapter):
@@ -37,3 +37,68 @@ def test_lora_weights_are_fp32_and_compute_in_the_models_dtype(tiny_model, dtype
     assert seen and set(seen) == {getattr(torch, dtype)}
     v.sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trained.values())
+
+
+def _distinct_adapters(adapter):
+    """Non-zero, different trained and old adapters (LoRA's B starts at zero, so both start as the
+    base model)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in adapter.transformer.named_parameters():
+            if ".lora_" in name:
+                p.add_(
+                    (0.05 if ".default." in name else 0.03) * torch.randn(p.shape, generator=g).to(p.dtype)
+                )
+
+
+@pytest.mark.parametrize("name", ["default", "old"])
+def test_merged_lora_runs_the_adapter_merged_and_restores_everything(tiny_model, name):
+    """Inside `merged_lora(t, name)` the network computes what adapter `name` computes unmerged
+    (fp32: to rounding), every targeted layer runs without its adapters, and afterwards the very
+    same weight tensors, values, requires_grad flags and the active adapter are back."""
+    adapter = load_model(tiny_model("sd3"), dtype="float32")
+    inject_lora(adapter, LoraConfig(rank=4, alpha=8), ["default", "old"])
+    _distinct_adapters(adapter)
+    transformer = adapter.transformer
+    params = dict(transformer.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    flags = {n: p.requires_grad for n, p in params.items()}
+    with torch.no_grad():
+        transformer.set_adapter(name)
+        unmerged = _velocity(adapter)
+        transformer.set_adapter("default")
+        base_of = {n: m.get_base_layer() for n, m in transformer.named_modules() if hasattr(m, "lora_A")}
+        calls = []
+        hooks = [
+            m.register_forward_hook(lambda _m, _i, _o: calls.append(1))
+            for n, m in transformer.named_modules()
+            if ".lora_A." in n or ".lora_B." in n
+        ]
+        with merged_lora(transformer, name):
+            assert all(base.weight is not params[f"{n}.base_layer.weight"] for n, base in base_of.items())
+            merged = _velocity(adapter)
+        for h in hooks:
+            h.remove()
+    assert not calls  # no LoRA matmul ran inside the block
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        active = _velocity(adapter)  # the trained adapter, unmerged: the block left it active
+    if name == "old":  # the two adapters differ, so the comparison above could have failed
+        assert (merged - active).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(merged, active, rtol=1e-5, atol=1e-5)
+    after = dict(transformer.named_parameters())
+    assert after.keys() == params.keys() and all(after[n] is params[n] for n in params)
+    assert all(torch.equal(after[n], values[n]) for n in params)
+    assert {n: p.requires_grad for n, p in after.items()} == flags
+    assert transformer.active_adapters() == ["default"]
+
+
+def test_merged_lora_names_a_missing_adapter(tiny_model):
+    adapter = load_model(tiny_model("sd3"), dtype="float32")
+    inject_lora(adapter, LoraConfig(rank=4, alpha=4), ["default"])
+    with (
+        pytest.raises(ValueError, match="no LoRA adapter named 'old'"),
+        merged_lora(adapter.transformer, "old"),
+    ):
+        pass

@@ -216,3 +216,94 @@ def test_the_wrong_loss_is_refused(tiny_model):
             step=0,
             epoch=0,
         )
+
+
+def _count_forwards(engine):
+    calls = []
+    hook = engine.transformer.register_forward_hook(lambda _m, _i, _o: calls.append(1))
+    return calls, hook
+
+
+def test_old_adapter_equal_to_the_trained_one_costs_no_forward_pass(tiny_model):
+    """After a copy (or an EMA at decay 0) the `old` adapter is the trained one: its velocity is the
+    trained velocity, detached. The loss and gradient are those of the explicit computation (a
+    separate forward of the old adapter), with one forward per level instead of two; after an
+    optimizer step the adapters differ and the old forward runs again."""
+    loss_cfg = LossConfig(mode="diffusion_nft", mix_beta=0.3)
+    engine = make_engine(tiny_model, loss_cfg, with_old=True)
+    engine.copy_adapter(POLICY, OLD)
+    assert engine.adapters_equal(POLICY, OLD)
+    batch = clean_batch(engine)
+    table = torch.tensor([1.0, 0.8, 0.5, 0.2])
+    kwargs = dict(
+        call=CALL, sigma_table=table, fraction=0.5, adv_mode="continuous", seed=SEED, step=STEP, epoch=EPOCH
+    )
+    calls, hook = _count_forwards(engine)
+    got = forward_process_backward(engine, [batch], **kwargs)
+    hook.remove()
+    assert len(calls) == 2  # two levels, the trained forward only
+    got_grads = grads(engine)
+    engine.optimizer.zero_grad(set_to_none=True)
+
+    index_BK, noise_BK = draws(batch.sample_index_B, batch.latents.shape[1:], len(table), 0.5)
+    total = 0.0
+    for k in range(2):
+        sigmas_B, noise = table[index_BK[:, k]], noise_BK[:, k]
+        x_t = interpolate(batch.latents, noise, sigmas_B)
+        with torch.no_grad():
+            v_old = velocity(engine, OLD, x_t, sigmas_B, batch.cond)
+        v = velocity(engine, POLICY, x_t, sigmas_B, batch.cond)
+        r = optimality_probability(batch.advantages_B, loss_cfg.adv_clip_max, "continuous")
+        loss, _ = DiffusionNFTLoss().compute(
+            NFTInputs(r, batch.latents, x_t, sigmas_B, v_old, None), v, loss_cfg
+        )
+        (loss / 2).backward()
+        total += float(loss.detach()) / 2
+    assert got["loss"] == pytest.approx(total, rel=1e-5)
+    for a, b in zip(got_grads, grads(engine), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+    engine.optim_step()
+    assert not engine.adapters_equal(POLICY, OLD)
+    calls, hook = _count_forwards(engine)
+    forward_process_backward(engine, [batch], **kwargs)
+    hook.remove()
+    assert len(calls) == 4  # the old adapter runs its own forward again
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.ema_adapter(0.5, POLICY, OLD)
+    assert not engine.adapters_equal(POLICY, OLD)
+    engine.ema_adapter(0.0, POLICY, OLD)
+    assert engine.adapters_equal(POLICY, OLD)
+
+
+def test_merged_inference_gives_the_unmerged_loss_and_gradient(tiny_model):
+    """model.lora.merge_inference runs the old adapter's forward merged into the weights: the
+    loss and gradient are the unmerged engine's, to fp32 rounding."""
+    loss_cfg = LossConfig(mode="diffusion_nft", mix_beta=0.3, kl_coef=0.1)
+    results = []
+    for merge in (False, True):
+        engine = make_engine(tiny_model, loss_cfg, with_old=True)
+        engine.model_cfg.lora.merge_inference = merge
+        assert not engine.adapters_equal(POLICY, OLD)
+        old_lora_calls = []
+        for name, module in engine.transformer.named_modules():
+            if name.endswith("lora_A.old"):
+                module.register_forward_hook(lambda _m, _i, _o, calls=old_lora_calls: calls.append(1))
+        got = forward_process_backward(
+            engine,
+            [clean_batch(engine)],
+            call=CALL,
+            sigma_table=torch.tensor([1.0, 0.6, 0.3]),
+            fraction=1.0,
+            adv_mode="continuous",
+            seed=SEED,
+            step=STEP,
+            epoch=EPOCH,
+        )
+        assert bool(old_lora_calls) != merge  # merged: the old adapter's LoRA matmuls never ran
+        results.append((got, grads(engine)))
+    (unmerged, g0), (merged, g1) = results
+    assert merged["loss"] == pytest.approx(unmerged["loss"], rel=1e-5)
+    assert merged["old_deviate"] == pytest.approx(unmerged["old_deviate"], rel=1e-4)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
