@@ -4,7 +4,7 @@ An SD3.5-Medium-sized transformer and the SD3 VAE (random weights, bf16, as benc
 two LoRA adapters of rank 32 on the family's default target modules (the trained one and DiffusionNFT's
 `old` one, both with non-zero random weights), diffrl's sampler at 512², 10 steps, CFG 4.5, eager
 (no compile). Times the same rollout three ways: adapters active (what a LoRA run samples with
-today), `merged_lora` (the merge included in the time), and the base model without adapters (the
+today), `merged_adapter` (the merge included in the time), and the base model without adapters (the
 floor). Prints one JSON line: images/s of each, the merge's own time, peak memory, and how far the
 merged rollout's final latents are from the unmerged one's (bf16 rounding of W + ΔW).
 
@@ -23,7 +23,7 @@ from rollout import cuda_time, peak_memory_gb, random_sd35_adapter, reset_peak_m
 
 from diffrl.config.schema import LoraConfig, PipelineConfig, RolloutConfig, SdeConfig
 from diffrl.rollout import TrajectorySampler
-from diffrl.train.lora import inject_lora, merged_lora
+from diffrl.train.lora import inject_lora, merged_adapter
 
 
 def main() -> None:
@@ -95,10 +95,10 @@ def main() -> None:
     transformer.requires_grad_(False)
     results["lora_targets"] = targets
     lora_s, results["lora_peak_gb"], unmerged = timed()
-    merged_s, results["merged_peak_gb"], merged = timed(lambda: merged_lora(transformer, "default"))
+    merged_s, results["merged_peak_gb"], merged = timed(lambda: merged_adapter(adapter, "default"))
 
     def merge_and_restore() -> None:
-        with merged_lora(transformer, "old"):
+        with merged_adapter(adapter, "old"):
             pass
 
     _, results["merge_s"] = cuda_time(merge_and_restore)

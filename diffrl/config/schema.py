@@ -60,7 +60,7 @@ class LoraConfig:
     init: str = "gaussian"  # peft's init_lora_weights
     # forward passes without gradients (rollouts, validation, the old policy's velocities) run with
     # the adapter merged into a copy of the targeted weights: one matmul per layer instead of three
-    # (diffrl.train.lora.merged_lora). Direct-preference losses on unsharded weights only.
+    # (diffrl.train.lora.merged_adapter). Direct-preference losses on unsharded weights only.
     merge_inference: bool = False
 
     # Only inits that leave the base weights untouched: the reference policy is "adapters disabled",

@@ -47,7 +47,7 @@ from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.train.batch import PolicyGradientBatch
-from diffrl.train.lora import inject_lora, merged_lora
+from diffrl.train.lora import inject_lora, merged_adapter
 from diffrl.transition import Rollout, evaluate_step, evaluate_window
 
 POLICY = "default"
@@ -222,7 +222,7 @@ class TrainEngine:
         """`use_policy(name)` for forward passes without gradients: with
         model.lora.merge_inference the trained or old adapter runs merged into the weights."""
         if self.lora and self.model_cfg.lora.merge_inference and name in (POLICY, OLD):
-            return merged_lora(self.transformer, name)
+            return merged_adapter(self.adapter, name)
         return self.use_policy(name)
 
     def _adapter_pairs(self, src: str, dst: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -101,3 +101,17 @@ def merged_lora(transformer: torch.nn.Module, name: str) -> Iterator[None]:
             layer.enable_adapters(not disabled)
         for p, flag in zip(adapter_params, requires_grad, strict=True):
             p.requires_grad_(flag)
+
+
+@contextmanager
+def merged_adapter(adapter: ModelAdapter, name: str) -> Iterator[None]:
+    """`merged_lora` on the adapter's transformer, without the autocast that fp32 adapter weights
+    in a 16-bit model need (`ModelAdapter.lora_autocast`): merged, every weight is in the model's
+    dtype, so the network runs as the plain base model does."""
+    autocast = adapter.lora_autocast
+    adapter.lora_autocast = False
+    try:
+        with merged_lora(adapter.transformer, name):
+            yield
+    finally:
+        adapter.lora_autocast = autocast

@@ -32,7 +32,7 @@ from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine
-from diffrl.train.lora import inject_lora, merged_lora
+from diffrl.train.lora import inject_lora, merged_adapter
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
 
 
@@ -123,7 +123,7 @@ class RolloutWorker:
         """A replica samples as policy `policy` (`old` for DiffusionNFT) by switching peft's adapter,
         or with model.lora.merge_inference by merging it into the weights."""
         if self.cfg.model.lora.rank > 0 and self.cfg.model.lora.merge_inference:
-            with merged_lora(self.adapter.transformer, policy):
+            with merged_adapter(self.adapter, policy):
                 yield
             return
         if policy == POLICY:
