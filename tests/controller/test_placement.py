@@ -154,3 +154,24 @@ def test_one_step_off_samples_each_batch_one_version_behind_and_trains(tmp_path)
         assert metrics[step]["rollout_correction/abs_logp_diff_max"] > 0
         assert math.isfinite(metrics[step]["actor/loss"])
     assert "val/rewards/mean" in metrics[2] and "val/rewards/mean" in metrics[4]
+
+
+def test_separate_replicas_sample_merged_as_the_colocated_worker_does(tmp_path):
+    """DiffusionNFT with model.lora.merge_inference: the replicas merge the `old` adapter they were
+    sent exactly as the colocated worker merges its own, so a separate run in sync mode repeats the
+    colocated run's metrics."""
+    nft = [
+        "algorithm.trainer_type=direct_preference",
+        "actor.loss.mode=diffusion_nft",
+        "model.lora.merge_inference=true",
+    ]
+    colocated = read_metrics(
+        train(BASE[0], [*BASE[1:], *nft, f"trainer.output_dir={tmp_path}", "trainer.run_name=co"])
+    )
+    separate = read_metrics(
+        train(BASE[0], [*BASE[1:], *nft, *SEPARATE, f"trainer.output_dir={tmp_path}", "trainer.run_name=sep"])
+    )
+    assert sorted(separate) == sorted(colocated) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert comparable(separate[step]) == comparable(colocated[step]), step
+        assert math.isfinite(colocated[step]["actor/loss"])
