@@ -446,20 +446,18 @@ class TrainEngine:
         without both): all ranks must agree, since it decides how many forward passes each runs.
         The `old` adapter equals the trained one after a copy or an EMA at decay 0 (until the next
         optimizer step); the old policy's velocity is then the trained one's, detached."""
-        if not self.lora:
+        if not self.lora or not any(f".{b}." in n for n, _ in self.transformer.named_parameters()):
             return False
-        names = {n for n, _ in self.transformer.named_parameters()}
-        if not any(f".{b}." in n for n in names) or not any(f".{a}." in n for n in names):
-            return False
-        equal = all(
-            torch.equal(getattr(x, "_local_tensor", x), getattr(y, "_local_tensor", y))
-            for x, y in self._adapter_pairs(a, b)
-        )
+        local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731  (an FSDP2 rank's own shard)
+        # one flag on the device and one host sync, not one per tensor: this runs every optimizer step
+        differs = torch.stack(
+            [torch.ne(local(x), local(y)).any() for x, y in self._adapter_pairs(a, b)]
+        ).any()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            flag = torch.tensor([int(equal)], device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            equal = bool(flag.item())
-        return equal
+            flag = differs.to(device=self.device, dtype=torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            differs = flag
+        return not bool(differs.item())
 
     def export_lora(self, out_dir: str | Path, adapter_name: str = POLICY) -> Path:
         from diffrl.train.export import export_lora
