@@ -76,8 +76,9 @@ def merged_lora(transformer: torch.nn.Module, name: str) -> Iterator[None]:
             weight = base.weight
             if not isinstance(weight, torch.Tensor) or type(weight.data) is not torch.Tensor:
                 raise ValueError(
-                    "model.lora.merge_inference needs unsharded weights (actor.strategy=none or a rollout "
-                    f"replica); {type(layer).__name__} holds a {type(weight.data).__name__}"
+                    f"model.lora.merge_inference needs unsharded weights, but {type(layer).__name__} holds a "
+                    f"{type(weight.data).__name__}: set actor.strategy=none (one worker), or "
+                    "model.lora.merge_inference=false"
                 )
             delta = layer.get_delta_weight(name).to(torch.float32)
             merged = (weight.to(torch.float32) + delta).to(weight.dtype)
