@@ -74,6 +74,21 @@ def velocity(engine, policy, x_t, sigmas_B, cond, guidance=4.5):
         return engine.adapter.velocity(x_t, sigmas_B * 1000.0, cond, guidance, 32, 32)
 
 
+def run_backward(engine, batches, sigma_table, fraction):
+    """`forward_process_backward` with this file's call, advantage mode and (seed, step, epoch)."""
+    return forward_process_backward(
+        engine,
+        batches,
+        call=CALL,
+        sigma_table=sigma_table,
+        fraction=fraction,
+        adv_mode="continuous",
+        seed=SEED,
+        step=STEP,
+        epoch=EPOCH,
+    )
+
+
 def grads(engine):
     return [p.grad.clone() for p in engine.params]
 
@@ -84,17 +99,7 @@ def test_forward_process_backward_equals_the_loss_class_on_the_same_noise(tiny_m
     engine = make_engine(tiny_model, loss_cfg, with_old=True)
     batch = clean_batch(engine)
     table = torch.tensor([1.0, 0.8, 0.5, 0.2])
-    got = forward_process_backward(
-        engine,
-        [batch],
-        call=CALL,
-        sigma_table=table,
-        fraction=0.5,
-        adv_mode="continuous",
-        seed=SEED,
-        step=STEP,
-        epoch=EPOCH,
-    )
+    got = run_backward(engine, [batch], table, 0.5)
     got_grads = grads(engine)
     engine.optimizer.zero_grad(set_to_none=True)
 
@@ -130,23 +135,15 @@ def test_forward_process_backward_equals_the_loss_class_on_the_same_noise(tiny_m
 def test_micro_batch_split_does_not_change_the_nft_gradient(tiny_model):
     engine = make_engine(tiny_model, LossConfig(mode="diffusion_nft"), with_old=True)
     batch = clean_batch(engine)
-    kwargs = dict(
-        call=CALL,
-        sigma_table=torch.tensor([1.0, 0.6, 0.3]),
-        fraction=1.0,
-        adv_mode="continuous",
-        seed=SEED,
-        step=STEP,
-        epoch=EPOCH,
-    )
-    whole = forward_process_backward(engine, [batch], **kwargs)
+    table = torch.tensor([1.0, 0.6, 0.3])
+    whole = run_backward(engine, [batch], table, 1.0)
     g_whole = grads(engine)
     engine.optimizer.zero_grad(set_to_none=True)
     parts = [
         CleanBatch(batch.latents[s], batch.cond[s], batch.advantages_B[s], batch.sample_index_B[s])
         for s in (slice(0, 1), slice(1, 3))
     ]
-    split = forward_process_backward(engine, parts, **kwargs)
+    split = run_backward(engine, parts, table, 1.0)
     assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     for a, b in zip(g_whole, grads(engine), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
@@ -235,11 +232,8 @@ def test_old_adapter_equal_to_the_trained_one_costs_no_forward_pass(tiny_model):
     assert engine.adapters_equal(POLICY, OLD)
     batch = clean_batch(engine)
     table = torch.tensor([1.0, 0.8, 0.5, 0.2])
-    kwargs = dict(
-        call=CALL, sigma_table=table, fraction=0.5, adv_mode="continuous", seed=SEED, step=STEP, epoch=EPOCH
-    )
     calls, hook = _count_forwards(engine)
-    got = forward_process_backward(engine, [batch], **kwargs)
+    got = run_backward(engine, [batch], table, 0.5)
     hook.remove()
     assert len(calls) == 2  # two levels, the trained forward only
     got_grads = grads(engine)
@@ -266,7 +260,7 @@ def test_old_adapter_equal_to_the_trained_one_costs_no_forward_pass(tiny_model):
     engine.optim_step()
     assert not engine.adapters_equal(POLICY, OLD)
     calls, hook = _count_forwards(engine)
-    forward_process_backward(engine, [batch], **kwargs)
+    run_backward(engine, [batch], table, 0.5)
     hook.remove()
     assert len(calls) == 4  # the old adapter runs its own forward again
     engine.optimizer.zero_grad(set_to_none=True)
@@ -289,17 +283,7 @@ def test_merged_inference_gives_the_unmerged_loss_and_gradient(tiny_model):
         for name, module in engine.transformer.named_modules():
             if name.endswith("lora_A.old"):
                 module.register_forward_hook(lambda _m, _i, _o, calls=old_lora_calls: calls.append(1))
-        got = forward_process_backward(
-            engine,
-            [clean_batch(engine)],
-            call=CALL,
-            sigma_table=torch.tensor([1.0, 0.6, 0.3]),
-            fraction=1.0,
-            adv_mode="continuous",
-            seed=SEED,
-            step=STEP,
-            epoch=EPOCH,
-        )
+        got = run_backward(engine, [clean_batch(engine)], torch.tensor([1.0, 0.6, 0.3]), 1.0)
         assert bool(old_lora_calls) != merge  # merged: the old adapter's LoRA matmuls never ran
         results.append((got, grads(engine)))
     (unmerged, g0), (merged, g1) = results
