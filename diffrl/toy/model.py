@@ -34,8 +34,13 @@ TEXT_TOKENS = 16
 T5_TOKENS = 1
 
 
-def build_toy(path: str | Path, seed: int = 0) -> Path:
-    """Write the randomly initialised toy pipeline (deterministic in `seed`) to `path`."""
+def build_toy(path: str | Path, seed: int = 0, *, width: int = 128, layers: int = 6) -> Path:
+    """Write the randomly initialised toy pipeline (deterministic in `seed`) to `path`.
+
+    `width` (a multiple of 32: heads of 32) and `layers` size the transformer; the defaults are
+    `toy:shapes`'s. The text encoders are the same at every size."""
+    if width <= 0 or width % 32 or layers <= 0:
+        raise ValueError(f"build_toy needs a positive width that is a multiple of 32 and layers > 0, got width={width}, layers={layers}")
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
@@ -61,13 +66,12 @@ def build_toy(path: str | Path, seed: int = 0) -> Path:
             return CLIPTextModelWithProjection(config).eval()
 
         text_encoder, text_encoder_2 = clip(tokenizer), clip(tokenizer_2)
-        width = 128
         transformer = SD3Transformer2DModel(
             sample_size=RESOLUTION,
             patch_size=2,
             in_channels=3,
             out_channels=3,
-            num_layers=6,
+            num_layers=layers,
             attention_head_dim=32,
             num_attention_heads=width // 32,
             joint_attention_dim=2 * clip_dim,  # the two CLIPs' hidden states side by side
