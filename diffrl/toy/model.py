@@ -40,7 +40,9 @@ def build_toy(path: str | Path, seed: int = 0, *, width: int = 128, layers: int 
     `width` (a multiple of 32: heads of 32) and `layers` size the transformer; the defaults are
     `toy:shapes`'s. The text encoders are the same at every size."""
     if width <= 0 or width % 32 or layers <= 0:
-        raise ValueError(f"build_toy needs a positive width that is a multiple of 32 and layers > 0, got width={width}, layers={layers}")
+        raise ValueError(
+            f"build_toy needs a positive width that is a multiple of 32 and layers > 0, got width={width}, layers={layers}"
+        )
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 

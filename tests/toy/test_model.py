@@ -11,7 +11,13 @@ from safetensors.torch import load_file
 from diffrl.models import PRETRAINED_DIR
 from diffrl.toy.model import build_toy
 
-ARCH_KEYS = ("attention_head_dim", "caption_projection_dim", "num_attention_heads", "num_layers", "patch_size")
+ARCH_KEYS = (
+    "attention_head_dim",
+    "caption_projection_dim",
+    "num_attention_heads",
+    "num_layers",
+    "patch_size",
+)
 
 
 def transformer_config(path) -> dict:

@@ -47,9 +47,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         )
         result = {"after_init": engine.adapters_equal(POLICY, OLD)}
         # One old-adapter tensor sharded over both ranks; change only rank 1's rows of it.
-        name, old = next(
-            (n, p) for n, p in engine.transformer.named_parameters() if f".{OLD}." in n and "lora_A" in n
-        )
+        old = next(p for n, p in engine.transformer.named_parameters() if f".{OLD}." in n and "lora_A" in n)
         result["sharded"] = isinstance(old, DTensor) and old.to_local().shape[0] < old.shape[0]
         if rank == 1:
             with torch.no_grad():
