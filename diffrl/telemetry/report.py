@@ -388,6 +388,28 @@ def side_by_side(images: list[Path], labels: list[str], out: Path) -> Path:
     return out
 
 
+def nice_ticks(lo: float, hi: float, count: int = 5, *, integer: bool = False) -> list[float]:
+    """Round tick values, 1, 2, 2.5 or 5 times a power of ten apart, from at or below `lo` to at or
+    above `hi`, about `count` of them (an axis then reads 0, 0.25, 0.5, ... rather than 0.0469,
+    0.211, ...). `integer`: whole-number steps only (training steps). A flat range gets one unit
+    around it."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo or count < 2:
+        raise ValueError(f"nice_ticks needs finite lo <= hi and count >= 2, got {lo}, {hi}, {count}")
+    if hi == lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    power = math.floor(math.log10((hi - lo) / (count - 1)))
+    multiples = (1, 2, 5) if integer else (1, 2, 2.5, 5)
+    steps = sorted(m * 10.0**p for p in range(power - 1, power + 2) for m in multiples)
+    if integer:
+        steps = [step for step in steps if step >= 1 and step == round(step)] or [1.0]
+    for step in steps:  # the finest step that needs at most count + 1 ticks
+        first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+        if last - first + 1 <= count + 1:
+            break
+    # round away float noise (0.30000000000000004) so labels print as the round numbers they are
+    return [round(i * step, 10) for i in range(first, last + 1)]
+
+
 def line_plot(
     series: Sequence[tuple],
     out: Path,
@@ -410,11 +432,9 @@ def line_plot(
     if not points:
         image.save(out)
         return out
-    x_lo, x_hi = min(p[0] for p in points), max(p[0] for p in points)
-    y_lo, y_hi = min(p[1] for p in points), max(p[1] for p in points)
-    x_hi = x_hi if x_hi > x_lo else x_lo + 1
-    pad = (y_hi - y_lo) * 0.05 or 0.5
-    y_lo, y_hi = y_lo - pad, y_hi + pad
+    x_ticks = nice_ticks(min(p[0] for p in points), max(p[0] for p in points), integer=True)
+    y_ticks = nice_ticks(min(p[1] for p in points), max(p[1] for p in points))
+    (x_lo, x_hi), (y_lo, y_hi) = (x_ticks[0], x_ticks[-1]), (y_ticks[0], y_ticks[-1])
 
     def xy(step: float, value: float) -> tuple[float, float]:
         return (
@@ -422,17 +442,16 @@ def line_plot(
             top + (y_hi - value) / (y_hi - y_lo) * (height - top - bottom),
         )
 
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    for i in range(5):  # y ticks
-        value = y_lo + (y_hi - y_lo) * i / 4
+    for value in y_ticks:
         y = xy(x_lo, value)[1]
+        draw.line([left, y, width - right, y], fill=(225, 225, 225))  # grid: read values across
         draw.line([left - 4, y, left, y], fill="black")
-        draw.text((4, y - 6), f"{value:.3g}", fill="black", font=font)
-    for i in range(5):  # x ticks
-        step = x_lo + (x_hi - x_lo) * i / 4
+        draw.text((4, y - 6), f"{value:g}", fill="black", font=font)
+    for step in x_ticks:
         x = xy(step, y_lo)[0]
         draw.line([x, height - bottom, x, height - bottom + 4], fill="black")
-        draw.text((x - 10, height - bottom + 6), f"{step:.0f}", fill="black", font=font)
+        draw.text((x - 10, height - bottom + 6), f"{step:g}", fill="black", font=font)
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
     draw.text((width // 2 - 10, height - 18), "step", fill="black", font=font)
     legend_x, legend_y = width - right + 12, top
     for label, data, color, line_width in series:
@@ -456,6 +475,7 @@ __all__ = [
     "format_table",
     "grid_layout",
     "line_plot",
+    "nice_ticks",
     "sample_caption",
     "side_by_side",
     "skip_if_finished",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffrl.telemetry.report import finished_run, validation_metrics, write_report
+from diffrl.telemetry.report import finished_run, nice_ticks, validation_metrics, write_report
 
 
 def test_validation_accuracy_is_the_mean_over_categories():
@@ -183,3 +183,31 @@ def test_smooth_is_a_trailing_mean():
     curve = {1: 0.0, 2: 1.0, 3: 0.5, 5: 1.0}
     assert smooth(curve, 2) == pytest.approx({1: 0.0, 2: 0.5, 3: 0.75, 5: 0.75})
     assert smooth(curve, 1) == curve
+
+
+@pytest.mark.parametrize(
+    "lo, hi, integer, expected",
+    [
+        (0.0, 1.0, False, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]),
+        (-0.0469, 0.984, False, [-0.25, 0.0, 0.25, 0.5, 0.75, 1.0]),
+        (0.4062, 0.4792, False, [0.4, 0.42, 0.44, 0.46, 0.48]),
+        (0.0, 20.0, True, [0, 5, 10, 15, 20]),
+        (1.0, 37.0, True, [0, 10, 20, 30, 40]),
+        (1.0, 3.0, True, [1, 2, 3]),
+        (0.5, 0.5, False, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]),
+    ],
+)
+def test_nice_ticks_are_round_evenly_spaced_and_cover_the_data(lo, hi, integer, expected):
+    ticks = nice_ticks(lo, hi, integer=integer)
+    assert ticks == expected
+    assert ticks[0] <= lo and ticks[-1] >= hi
+    assert len(ticks) <= 6
+    # labels print as the round numbers (no 0.30000000000000004)
+    assert all(len(f"{t:g}") <= 5 for t in ticks)
+
+
+def test_nice_ticks_refuses_an_empty_or_reversed_range():
+    with pytest.raises(ValueError, match="lo <= hi"):
+        nice_ticks(1.0, 0.0)
+    with pytest.raises(ValueError, match="finite"):
+        nice_ticks(0.0, float("nan"))
