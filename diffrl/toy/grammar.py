@@ -310,6 +310,9 @@ def prompt_rows(split: str) -> list[dict[str, Any]]:
 
 #: Rows per category of the balanced held-out file (builtin:shapes_heldout_balanced.jsonl).
 BALANCED_ROWS = 16
+#: Rows per category of the larger balanced held-out file the default job validates on
+#: (builtin:shapes_heldout_balanced_384.jsonl): a standard error of ~0.025 on `val/accuracy`.
+LARGE_BALANCED_ROWS = 64
 
 
 def balanced_rows(split: str, per_category: int = BALANCED_ROWS) -> list[dict[str, Any]]:
@@ -333,11 +336,14 @@ def balanced_rows(split: str, per_category: int = BALANCED_ROWS) -> list[dict[st
     return rows
 
 
-def write_prompt_file(path: str | Path, split: str, *, balanced: bool = False) -> Path:
+def write_prompt_file(
+    path: str | Path, split: str, *, balanced: bool = False, per_category: int = BALANCED_ROWS
+) -> Path:
     """Write the split's .jsonl prompt file (what diffrl ships as builtin:shapes_<split>.jsonl), or
-    with `balanced` its `balanced_rows` (builtin:shapes_<split>_balanced.jsonl)."""
+    with `balanced` its `balanced_rows(split, per_category)` (builtin:shapes_<split>_balanced.jsonl,
+    or with `LARGE_BALANCED_ROWS` per category builtin:shapes_<split>_balanced_384.jsonl)."""
     path = Path(path)
-    rows = balanced_rows(split) if balanced else prompt_rows(split)
+    rows = balanced_rows(split, per_category) if balanced else prompt_rows(split)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
 
@@ -379,13 +385,21 @@ def parse_prompt(text: str) -> Scene:
     )
 
 
-def builtin_path(split: str, *, balanced: bool = False) -> Path:
-    """Where the built-in prompt file of `split` (or its balanced version) lives in the package."""
-    name = f"shapes_{split}_balanced.jsonl" if balanced else f"shapes_{split}.jsonl"
+def builtin_path(split: str, *, balanced: bool = False, per_category: int = BALANCED_ROWS) -> Path:
+    """Where the built-in prompt file of `split` (or a balanced version) lives in the package: a
+    balanced file other than the `BALANCED_ROWS` one is named by its number of rows."""
+    if not balanced:
+        name = f"shapes_{split}.jsonl"
+    elif per_category == BALANCED_ROWS:
+        name = f"shapes_{split}_balanced.jsonl"
+    else:
+        name = f"shapes_{split}_balanced_{per_category * len(CATEGORIES)}.jsonl"
     return Path(__file__).resolve().parent.parent / "config" / "presets" / "data" / name
 
 
 if __name__ == "__main__":  # regenerate the built-in prompt files
     for _split in SPLITS:
         print(write_prompt_file(builtin_path(_split), _split))
-    print(write_prompt_file(builtin_path("heldout", balanced=True), "heldout", balanced=True))
+    for _rows in (BALANCED_ROWS, LARGE_BALANCED_ROWS):
+        _path = builtin_path("heldout", balanced=True, per_category=_rows)
+        print(write_prompt_file(_path, "heldout", balanced=True, per_category=_rows))

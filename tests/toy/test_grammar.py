@@ -8,14 +8,17 @@ import pytest
 
 from diffrl.models.tiny_text import WORDS
 from diffrl.toy import grammar
+from diffrl.config import load_config
 from diffrl.toy.grammar import (
     CATEGORIES,
+    LARGE_BALANCED_ROWS,
     PALETTE,
     ObjectSpec,
     Scene,
     all_scenes,
     builtin_path,
     parse_prompt,
+    prompt_rows,
     relation_holds,
     scenes,
     split_of,
@@ -280,3 +283,18 @@ def test_balanced_heldout_rows_and_builtin_file(tmp_path):
     )
     with pytest.raises(ValueError, match="per_category=0"):
         balanced_rows("heldout", 0)
+
+
+def test_the_default_jobs_384_row_file_is_balanced_and_up_to_date(tmp_path):
+    path = builtin_path("heldout", balanced=True, per_category=LARGE_BALANCED_ROWS)
+    assert path.name == "shapes_heldout_balanced_384.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 384
+    assert {c: sum(r["data_source"] == c for r in rows) for c in CATEGORIES} == dict.fromkeys(CATEGORIES, 64)
+    assert {r["prompt"] for r in rows} <= {r["prompt"] for r in prompt_rows("heldout")}
+    assert len({r["prompt"] for r in rows if r["data_source"] == "color_attr"}) == 42  # every one of them
+    written = write_prompt_file(tmp_path / "b.jsonl", "heldout", balanced=True, per_category=LARGE_BALANCED_ROWS)
+    assert path.read_text(encoding="utf-8") == written.read_text(encoding="utf-8"), (
+        f"regenerate {path} with `python -m diffrl.toy.grammar`"
+    )
+    assert "builtin:shapes_heldout_balanced_384.jsonl" in load_config("default").data.val_files
