@@ -17,7 +17,7 @@ final weights.
 
 docs/shapes.md ("An evaluation-time EMA") has the 24-seed result for the default job, e.g.
 
-    python benchmarks/shapes_ema.py -- default trainer.seed=S data.val_files=[heldout384.jsonl] model.dtype=float32
+    python benchmarks/shapes_ema.py -- default trainer.seed=S
 """
 
 from __future__ import annotations
