@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
+from diffrl.config import load_config
 from diffrl.models.tiny_text import WORDS
 from diffrl.toy import grammar
-from diffrl.config import load_config
 from diffrl.toy.grammar import (
     CATEGORIES,
     LARGE_BALANCED_ROWS,
@@ -293,7 +293,9 @@ def test_the_default_jobs_384_row_file_is_balanced_and_up_to_date(tmp_path):
     assert {c: sum(r["data_source"] == c for r in rows) for c in CATEGORIES} == dict.fromkeys(CATEGORIES, 64)
     assert {r["prompt"] for r in rows} <= {r["prompt"] for r in prompt_rows("heldout")}
     assert len({r["prompt"] for r in rows if r["data_source"] == "color_attr"}) == 42  # every one of them
-    written = write_prompt_file(tmp_path / "b.jsonl", "heldout", balanced=True, per_category=LARGE_BALANCED_ROWS)
+    written = write_prompt_file(
+        tmp_path / "b.jsonl", "heldout", balanced=True, per_category=LARGE_BALANCED_ROWS
+    )
     assert path.read_text(encoding="utf-8") == written.read_text(encoding="utf-8"), (
         f"regenerate {path} with `python -m diffrl.toy.grammar`"
     )
