@@ -7,13 +7,18 @@ on a loaded 2-core machine) and the run, timed from the moment every rank has jo
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+
+from diffrl.train import distributed
 
 
 def free_port() -> int:
@@ -47,3 +52,19 @@ def spawn_with_deadlines(
             pytest.fail(
                 f"the {nprocs}-rank {what} {phase} did not finish within {limit:.0f} s: the ranks hang"
             )
+
+
+def join_gloo(rank: int, world: int, port: int, out_dir: str | Path, timeout_s: float) -> None:
+    """In a spawned worker: what a launcher sets (rank, world size, loopback rendezvous), one
+    thread, the gloo process group with `timeout_s` on its collectives, then the `joined<rank>`
+    file that starts `spawn_with_deadlines`' run deadline."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    distributed.init_distributed("gloo", timeout=timedelta(seconds=timeout_s))
+    Path(out_dir, f"joined{rank}").touch()

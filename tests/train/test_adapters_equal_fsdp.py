@@ -8,11 +8,9 @@ rank 0 would answer "equal" here while rank 1 answers "different", and the next 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-from spawn_ranks import free_port, spawn_with_deadlines
+from spawn_ranks import free_port, join_gloo, spawn_with_deadlines
 from torch.distributed.tensor import DTensor
 
 from diffrl.config.schema import ActorConfig, LoraConfig, ModelConfig, OptimConfig
@@ -27,16 +25,7 @@ PG_TIMEOUT_S = 30
 
 
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    distributed.init_distributed("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    Path(out_dir, f"joined{rank}").touch()
+    join_gloo(rank, WORLD, port, out_dir, PG_TIMEOUT_S)
     try:
         engine = TrainEngine(
             load_model(model_dir, dtype="float32"),

@@ -13,12 +13,10 @@ within float32 round-off.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, spawn_with_deadlines
+from spawn_ranks import free_port, join_gloo, spawn_with_deadlines
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diffrl.config.schema import (
@@ -99,16 +97,7 @@ def step(engine: TrainEngine, micro_batches: list[PolicyGradientBatch]):
 
 
 def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    distributed.init_distributed("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    Path(out_dir, f"joined{rank}").touch()
+    join_gloo(rank, WORLD, port, out_dir, PG_TIMEOUT_S)
     try:
         engine = engine_for(model_dir, "fsdp2")
         metrics, grads, sizes = step(engine, shards[rank])

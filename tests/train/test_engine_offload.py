@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
-from spawn_ranks import free_port, spawn_with_deadlines
+from spawn_ranks import free_port, join_gloo, spawn_with_deadlines
 
 from diffrl.config import ConfigError
 from diffrl.config.schema import (
@@ -306,16 +305,7 @@ RUN_DEADLINE_S = 180.0
 
 
 def _fsdp_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    distributed.init_distributed("gloo", timeout=timedelta(seconds=30))
-    Path(out_dir, f"joined{rank}").touch()
+    join_gloo(rank, WORLD, port, out_dir, 30)
     try:
         results = {}
         for name in ("plain", "optimizer_offload"):
