@@ -8,12 +8,13 @@ step: ema <- d·ema + (1 − d)·θ, starting from the adapter's initial weights
 B starts at zero). A `--warmup-decays` entry uses min(d, (1 + t) / (10 + t)) at optimizer step t,
 the warm-up of flow_grpo's and DiffusionNFT's training scripts, so that the early weights fade.
 After the last step the run validates, as it always does, then validates each EMA the same way
-(its validation files, samples and seed), and puts the final weights back.
+(its validation files, samples and seed; images to RUN/ema/<name>/validation/), and puts the
+final weights back.
 
 Prints one JSON line: the run directory, `val/accuracy` before training (when the run validates at
 step 0), after it, and for each EMA, plus every `val/<category>/accuracy`; the same object is in
-RUN/ema_validation.json. Nothing in the run changes: the checkpoint and the exported LoRA are the
-final weights.
+RUN/ema_validation.json. Nothing in the run changes: the checkpoint, the exported LoRA and the
+report are those of the final weights.
 
 docs/shapes.md ("An evaluation-time EMA") has the 24-seed result for the default job, e.g.
 
@@ -33,6 +34,7 @@ import torch
 
 from diffrl.controller import direct_preference
 from diffrl.controller.run import train
+from diffrl.controller.validation import run_validation
 from diffrl.train.engine import POLICY
 
 
@@ -97,13 +99,23 @@ class AdapterEMAs:
 
     @torch.no_grad()
     def validate_each(self, trainer: Any) -> None:
+        """The run's validation of each EMA, written to RUN/ema/<name>/validation/: the run's own
+        validation files (what the report's before/after grid shows) stay those of its weights."""
         params = self.trained(trainer)
         final = {n: p.detach().clone() for n, p in params.items()}
         try:
             for name, average in self.averages.items():
                 for n, p in params.items():
                     p.copy_(average[n])
-                self.results[name] = accuracies(trainer.validate())
+                metrics = run_validation(
+                    trainer.cfg,
+                    trainer.placement.samplers,
+                    trainer.rewards,
+                    trainer.val_records,
+                    trainer.run_dir / "ema" / name,
+                    trainer.step,
+                )
+                self.results[name] = accuracies(metrics)
         finally:
             for n, p in params.items():
                 p.copy_(final[n])
@@ -115,13 +127,14 @@ def tracked(emas: AdapterEMAs) -> Iterator[None]:
     update, and after fit() (whose last step validated the final weights)."""
     cls = direct_preference.DirectPreferenceTrainer
     original_update, original_fit = cls._update_old_policy, cls.fit
-    steps_seen: dict[int, int] = {}
+    last_steps = -1
 
     def update(self: Any) -> None:
+        nonlocal last_steps
         original_update(self)
         steps = self.workers.call("optimizer_steps")[0]
-        if steps_seen.get(id(self)) != steps:  # a skipped (non-finite) step leaves the weights as they were
-            steps_seen[id(self)] = steps
+        if steps != last_steps:  # a skipped (non-finite) step leaves the weights as they were
+            last_steps = steps
             emas.update(self)
 
     def fit(self: Any) -> dict[str, float]:

@@ -39,6 +39,11 @@ def test_ema_closed_forms_on_a_tiny_run(tmp_path, monkeypatch):
     assert set(result["final"]) >= {"val/accuracy", "val/position/accuracy"}
     run_dir = Path(result["run_dir"])
     assert json.loads((run_dir / "ema_validation.json").read_text()) == result
+    # the EMAs' images go to their own folders: the run's step-2 validation (the report's "after")
+    # stays the final weights', not the last EMA's (decay 1: the base policy's samples)
+    own = (run_dir / "validation" / "step_000002.jsonl").read_text()
+    assert own != (run_dir / "ema" / "ema_1" / "validation" / "step_000002.jsonl").read_text()
+    assert own == (run_dir / "ema" / "ema_0" / "validation" / "step_000002.jsonl").read_text()
     # the final weights were put back: the exported LoRA is not the last EMA validated (decay 1, zero B)
     exported = load_file(next((run_dir / "export").glob("*.safetensors")))
     assert any(t.abs().max() > 0 for k, t in exported.items() if "lora_B" in k)
