@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from diffrl.algos import DIRECT_PREFERENCE
+from diffrl.config import load_config
 from diffrl.controller import direct_preference
 from diffrl.controller.run import train
 from diffrl.controller.validation import run_validation
@@ -170,6 +172,13 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
     if any(o.split("=", 1)[0] == "trainer.test_freq" and o.endswith("=0") for o in overrides):
         raise SystemExit(
             "trainer.test_freq=0 turns validation off: the EMAs are judged by the run's validation"
+        )
+    cfg = load_config(source, overrides)
+    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE or cfg.model.lora.rank <= 0:
+        raise SystemExit(
+            f"{source}: algorithm.trainer_type={cfg.algorithm.trainer_type}, model.lora.rank={cfg.model.lora.rank}; "
+            "shapes_ema.py follows the direct-preference trainer's LoRA adapter: pick a preset such as "
+            "default, shapes_nft or shapes_awm"
         )
     with tracked(emas):
         run_dir = train(source, overrides)
