@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -183,11 +184,7 @@ class ModelAdapter(ABC):
         Shapes are static (`dynamic=False`): micro-batch sizes are few and fixed, and a dynamic
         graph would differ between the sampler's and the trainer's batch sizes.
         """
-        blocks = [m for m in self.transformer.modules() if type(m).__name__ in self.block_class_names]
-        if not blocks:
-            raise ValueError(
-                f"{type(self).__name__} declares blocks {self.block_class_names} but the transformer has none"
-            )
+        blocks = find_blocks(self.transformer, self.block_class_names)
         structures = {_block_structure(block) for block in blocks}
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(
@@ -323,6 +320,36 @@ class ModelAdapter(ABC):
         Count 2·(multiply-accumulates) of every matmul including attention scores and values; in
         two-stream (MMDiT) blocks each stream's weights see only that stream's tokens.
         """
+
+
+def find_blocks(module: torch.nn.Module, block_class_names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """Submodules of a class named in `block_class_names` (or derived from one), in `modules()` order.
+
+    A class is matched through its whole MRO, not only its own name: FSDP2's `fully_shard` turns a
+    `JointTransformerBlock` into an instance of a generated `FSDPJointTransformerBlock` subclass,
+    and the blocks must still be found after sharding (compilation, activation checkpointing).
+
+    Raises ValueError when the names are malformed or nothing matches, listing the repeated
+    classes the module does have (the usual candidates).
+    """
+    if isinstance(block_class_names, str) or not all(isinstance(n, str) for n in block_class_names):
+        raise ValueError(
+            f"block_class_names must be a tuple of class-name strings; got {block_class_names!r} "
+            "(for one class write ('JointTransformerBlock',))"
+        )
+    if not block_class_names:
+        raise ValueError("block_class_names is empty: name the transformer's repeated block classes")
+    names = set(block_class_names)
+    blocks = [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    if not blocks:
+        counts = Counter(type(m).__name__ for m in module.modules())
+        repeated = sorted(name for name, n in counts.items() if n > 1)
+        raise ValueError(
+            f"no submodule of {type(module).__name__} has a class named {', '.join(block_class_names)}: "
+            f"pass the class names of its repeated blocks (classes appearing more than once: "
+            f"{', '.join(repeated) or 'none'}); for a model adapter use adapter.block_class_names"
+        )
+    return blocks
 
 
 # torch's default dynamo recompile limit, granted to each distinct block structure (see compile_blocks).

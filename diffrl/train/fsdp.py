@@ -58,8 +58,6 @@ module without that mechanism the blocks are checkpointed with torch's composabl
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -71,30 +69,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-
-def find_blocks(module: nn.Module, block_class_names: tuple[str, ...]) -> list[nn.Module]:
-    """Submodules whose class name is in `block_class_names`, in `modules()` order (parents first).
-
-    Raises ValueError when the names are malformed or nothing matches, listing the repeated
-    classes the module does have (the usual candidates).
-    """
-    if isinstance(block_class_names, str) or not all(isinstance(n, str) for n in block_class_names):
-        raise ValueError(
-            f"block_class_names must be a tuple of class-name strings; got {block_class_names!r} "
-            "(for one class write ('JointTransformerBlock',))"
-        )
-    if not block_class_names:
-        raise ValueError("block_class_names is empty: name the transformer's repeated block classes")
-    blocks = [m for m in module.modules() if type(m).__name__ in block_class_names]
-    if not blocks:
-        counts = Counter(type(m).__name__ for m in module.modules())
-        repeated = sorted(name for name, n in counts.items() if n > 1)
-        raise ValueError(
-            f"no submodule of {type(module).__name__} has a class named {', '.join(block_class_names)}: "
-            f"pass the class names of its repeated blocks (classes appearing more than once: "
-            f"{', '.join(repeated) or 'none'}); for a model adapter use adapter.block_class_names"
-        )
-    return blocks
+from diffrl.models.base import find_blocks
 
 
 def _unit_trainable_dtypes(module: nn.Module, blocks: list[nn.Module]) -> dict[str, set[torch.dtype]]:
@@ -237,4 +212,4 @@ def enable_activation_checkpointing(transformer: nn.Module, block_class_names: t
     return len(blocks)
 
 
-__all__ = ["enable_activation_checkpointing", "find_blocks", "shard_transformer"]
+__all__ = ["enable_activation_checkpointing", "shard_transformer"]

@@ -26,8 +26,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from diffrl.models import load_model
+from diffrl.models.base import find_blocks
 from diffrl.train import distributed
-from diffrl.train.fsdp import enable_activation_checkpointing, find_blocks, shard_transformer
+from diffrl.train.fsdp import enable_activation_checkpointing, shard_transformer
 
 WORLD = 2
 GLOBAL_BATCH = 4
@@ -153,6 +154,9 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         shard_transformer(tr, BLOCKS, param_dtype=None, mesh=mesh)
         lora_a = tr.transformer_blocks[0].attn.to_q.lora_A["default"].weight
         result["lora_units"] = sum(isinstance(m, FSDPModule) for m in tr.modules())
+        # fully_shard swaps each block's class for a generated FSDP subclass: compilation and
+        # checkpointing must still find the blocks afterwards (compile_blocks uses find_blocks)
+        result["blocks_after_sharding"] = [type(b).__name__ for b in find_blocks(tr, BLOCKS)]
         result["lora_sharding"] = (
             type(lora_a).__name__,
             tuple(lora_a.placements),
@@ -279,6 +283,7 @@ def test_lora_under_fsdp_matches_one_process(sharded, single):
     n_blocks = 2  # the tiny SD3 has num_layers=2
     for result in sharded:
         assert result["lora_units"] == n_blocks + 1  # each block, then the root
+        assert result["blocks_after_sharding"] == ["FSDPJointTransformerBlock"] * n_blocks
         # LoRA A of to_q is [r=4, in]: dim-0 sharded, 2 rows per rank.
         assert result["lora_sharding"] == ("DTensor", (Shard(0),), 2)
         torch.testing.assert_close(result["lora_losses"], single["lora_losses"], atol=1e-6, rtol=1e-5)
