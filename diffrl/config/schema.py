@@ -329,7 +329,9 @@ LossConfig = _compose_loss_config()
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp2"  # fsdp2, or none (one device, no sharding)
+    # auto: chosen by the run from the model size, device memory and LoRA vs full fine-tuning (printed);
+    # ddp: replicated weights, gradients averaged; fsdp2: sharded; none: one worker (diffrl.train.parallel)
+    strategy: str = "auto"
     mini_batch_size: int = 128  # trajectories per optimizer step (whole prompt groups), global
     micro_batch_size: int = 8  # trajectories per forward/backward, per worker
     epochs: int = 1  # passes over each step's rollouts
@@ -342,7 +344,7 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
-    STRATEGIES = ("fsdp2", "none")
+    STRATEGIES = ("auto", "ddp", "fsdp2", "none")
 
     def validate(self, at: str) -> None:
         require_choice(f"{at}.strategy", self.strategy, self.STRATEGIES)
@@ -725,11 +727,11 @@ class Config:
                 f"ends after the rollout's {steps} steps (rollout.pipeline.num_inference_steps): use hi <= {steps}",
             )
         require(
-            self.world_size == 1 or self.actor.strategy == "fsdp2",
+            self.world_size == 1 or self.actor.strategy != "none",
             "actor.strategy",
             self.actor.strategy,
-            f"must be fsdp2 with {self.world_size} workers (trainer.n_gpus_per_node × trainer.nnodes): "
-            "without it each worker would train its own copy",
+            f"must be auto, ddp or fsdp2 with {self.world_size} workers (trainer.n_gpus_per_node × "
+            "trainer.nnodes): without it each worker would train its own copy",
         )
         sp = self.actor.sequence_parallel_size
         require(

@@ -61,6 +61,7 @@ from diffrl.data.preference import (
 )
 from diffrl.models.base import PromptEmbeds
 from diffrl.rewards.workers import gather as gather_rewards
+from diffrl.telemetry import peak_over_workers
 from diffrl.train.engine import OLD, POLICY
 from diffrl.train.preference import CleanBatch, PairBatch, conditional, join_worker_metrics
 from diffrl.transition import Rollout
@@ -106,7 +107,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         else:
             metrics, images = self._online_step()
         metrics.update(self.timer.metrics(images, self.placement.gpus))
-        metrics.update(self.workers.call("memory")[0])
+        metrics.update(peak_over_workers(self.workers.call("memory")))
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
 

@@ -39,7 +39,7 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import mini_batches
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
-from diffrl.telemetry import mfu_metrics, peak_flops
+from diffrl.telemetry import mfu_metrics, peak_flops, peak_over_workers
 from diffrl.train.batch import TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.transition import RolloutSummary
@@ -114,7 +114,7 @@ class PolicyGradientTrainer(TrainingLoop):
                     step_seconds=metrics["timing_s/step"],
                 )
             )
-        metrics.update(self.workers.call("memory")[0])
+        metrics.update(peak_over_workers(self.workers.call("memory")))
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
 

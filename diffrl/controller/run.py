@@ -74,6 +74,7 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
     index = read_model_index(cfg.model.path)
     check_model_files(cfg.model.path, index)
     check_image_size(cfg)
+    choose_parallelism(cfg)
     if needs_rewards(cfg):
         probe_scorers(reward_specs(cfg.reward.functions))
     if not cfg.data.train_files:
@@ -88,6 +89,31 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
     else:
         val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
     return train, val
+
+
+def choose_parallelism(cfg: Config) -> None:
+    """Resolve `actor.strategy=auto` in `cfg` (diffrl.train.parallel) from the world size, LoRA or
+    full fine-tuning, and the pipeline's weights against one device's memory; with several
+    workers the choice and its reason are the run's first line."""
+    from diffrl.train.parallel import choose_strategy, device_memory_bytes, pipeline_weight_bytes
+
+    actor, lora = cfg.actor, cfg.model.lora.rank > 0
+    weight_bytes = device_bytes = None
+    if actor.strategy == "auto" and cfg.world_size > 1 and lora:
+        dtype = getattr(torch, cfg.model.dtype)
+        weight_bytes = pipeline_weight_bytes(resolve_model_path(cfg.model.path), dtype)
+        device_bytes = device_memory_bytes(cfg.trainer.n_gpus_per_node)
+    choice = choose_strategy(
+        actor.strategy,
+        world_size=cfg.world_size,
+        lora=lora,
+        sequence_parallel=actor.sequence_parallel_size > 1,
+        weight_bytes=weight_bytes,
+        device_bytes=device_bytes,
+    )
+    if cfg.world_size > 1:
+        print(choice.line(), flush=True)
+    actor.strategy = choice.strategy
 
 
 def check_model_files(path: str, index: dict) -> None:
@@ -197,10 +223,10 @@ def probe_scorers(specs: Sequence[Any]) -> None:
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
     _check_trainer_type(cfg)
-    _check_merge_inference(cfg)
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
+    _check_merge_inference(cfg)  # after preflight_common has chosen actor.strategy
     if cfg.algorithm.sample_source == "offline":
         from diffrl.data.preference import check_pairs
 
@@ -229,7 +255,8 @@ def _check_merge_inference(cfg: Config) -> None:
     if cfg.actor.strategy == "fsdp2" and cfg.world_size > 1:
         raise ConfigError(
             f"model.lora.merge_inference=true needs unsharded weights, but actor.strategy=fsdp2 shards them "
-            f"over {cfg.world_size} workers: set actor.strategy=none (one worker) or model.lora.merge_inference=false"
+            f"over {cfg.world_size} workers: set actor.strategy=ddp (replicated weights) or "
+            "model.lora.merge_inference=false"
         )
 
 

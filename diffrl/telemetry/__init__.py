@@ -22,6 +22,7 @@ _EXPORTS = {
     "mfu_metrics": "perf",
     "peak_flops": "perf",
     "peak_flops_for_name": "perf",
+    "peak_over_workers": "perf",
     "read_jsonl": "sinks",
     "read_metrics": "sinks",
     "PHASES": "timing",

@@ -11,6 +11,8 @@ Memory (GB = 2^30 bytes):
     perf/max_memory_reserved_gb    peak bytes the caching allocator held since the last call
     perf/max_rss_gb                peak resident memory of this process since it started (the OS
                                    keeps no resettable peak), logged on every device
+With several workers each value is the maximum over them, and `<key>_rank` names the worker that
+reached it (`peak_over_workers`): the rank that runs out of memory first is the one to watch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import re
 import resource
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -181,4 +183,16 @@ def memory_metrics(device: torch.device | str | None = None) -> dict[str, float]
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     out["perf/max_rss_gb"] = max_rss_gb()
+    return out
+
+
+def peak_over_workers(per_worker: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Every worker's `memory_metrics`, merged: the maximum of each value and, with more than one
+    worker, the rank that reached it (`<key>_rank`; the lowest rank on a tie)."""
+    out: dict[str, float] = {}
+    for key in per_worker[0]:
+        values = [worker[key] for worker in per_worker]
+        out[key] = max(values)
+        if len(values) > 1:
+            out[f"{key}_rank"] = float(values.index(out[key]))
     return out

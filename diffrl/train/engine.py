@@ -18,8 +18,9 @@ Policies: LoRA "default" (trained), optional "old" (a frozen copy refreshed by c
 DiffusionNFT-style methods), and the reference = all adapters disabled. With `model.lora.rank = 0`
 the whole transformer trains and the reference, when KL needs it, is a frozen copy.
 
-The same engine runs on one CPU, one GPU, or sharded with FSDP2 over a process group (one engine
-per rank, each on its own micro-batches; FSDP averages gradients across ranks).
+The same engine runs on one CPU, one GPU, or over a process group (one engine per rank, each on its
+own micro-batches): replicated (`actor.strategy=ddp`: gradients averaged across ranks right before
+each optimizer step) or sharded with FSDP2 (FSDP averages them); diffrl.train.parallel.
 
 Memory (docs/performance.md, "Memory: offload options"): `to(device, model=, optimizer=, grad=)`
 moves the transformer, the AdamW state and the gradients between host and accelerator by hand;
@@ -48,6 +49,7 @@ from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.lora import inject_lora, merged_adapter
+from diffrl.train.parallel import average_gradients, choose_strategy
 from diffrl.transition import Rollout, evaluate_step, evaluate_window
 
 POLICY = "default"
@@ -151,7 +153,18 @@ class TrainEngine:
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        if actor_cfg.strategy == "fsdp2" and torch.distributed.is_initialized():
+        in_group = torch.distributed.is_initialized()
+        # actor.strategy=auto is resolved by the run (with the model's size and the device's
+        # memory); an engine built directly decides from the world size and the training mode
+        self.strategy = choose_strategy(
+            actor_cfg.strategy,
+            world_size=torch.distributed.get_world_size() if in_group else 1,
+            lora=self.lora,
+            sequence_parallel=actor_cfg.sequence_parallel_size > 1,
+        ).strategy
+        # ddp: every rank holds the whole model and averages the gradients before each optimizer step
+        self._replicated = self.strategy == "ddp" and in_group
+        if self.strategy == "fsdp2" and in_group:
             from diffrl.train.fsdp import shard_transformer
 
             shard_transformer(
@@ -384,6 +397,8 @@ class TrainEngine:
 
         With `actor.optimizer_offload` the AdamW state comes to the device for the step and goes
         back to host memory right after it (the first step creates it on the device, then)."""
+        if self._replicated:
+            average_gradients(self.params)
         clip = self.cfg.optim.clip_grad
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2

@@ -256,8 +256,13 @@ def test_batch_sizes_must_nest():
                 "actor.strategy=fsdp2",
             ],
         )
-    with pytest.raises(ConfigError, match=r"actor\.strategy='none' is invalid: must be fsdp2 with 2 workers"):
-        load_config("default_20_steps", ["actor.micro_batch_size=8", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(
+        ConfigError, match=r"actor\.strategy='none' is invalid: must be auto, ddp or fsdp2 with 2 workers"
+    ):
+        load_config(
+            "default_20_steps",
+            ["actor.micro_batch_size=8", "trainer.n_gpus_per_node=2", "actor.strategy=none"],
+        )
     with pytest.raises(
         ConfigError, match=r"data\.prompts_per_step=3 is invalid: must be a multiple of the 2 worker"
     ):

@@ -23,6 +23,15 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     return diffrl_read_metrics(run_dir / "metrics.jsonl")
 
 
+def yaml_value(path: Path, *keys: str):
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(path)
+    for key in keys:
+        node = node[key]
+    return node
+
+
 def comparable(row: dict) -> dict:
     """Everything but wall-clock measurements."""
     return {
@@ -54,12 +63,26 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "summary.json").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
     assert (run_dir / "validation" / "step_000002.png").is_file()
+    assert metrics[1]["perf/max_rss_gb_rank"] in (0.0, 1.0)  # memory: the worse of the two workers
     # Sharding must not change what is sampled or how it is scored: one worker, same step-1 numbers.
     single = read_metrics(
         train("tiny_sd3", [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=single"])
     )
     for key in [k for k in single[1] if k.startswith(("rewards/", "advantages/")) and "seconds" not in k]:
         assert metrics[1][key] == pytest.approx(single[1][key], rel=1e-6), key
+    # Replicated LoRA (what actor.strategy=auto chooses here) takes the same first update as
+    # sharded: the same samples, and the same mini-batch gradient averaged over the two workers.
+    replicated = read_metrics(
+        train(
+            "tiny_sd3",
+            [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=ddp", "trainer.n_gpus_per_node=2"],
+        )
+    )
+    assert yaml_value(tmp_path / "ddp" / "config.yaml", "actor", "strategy") == "ddp"
+    for key in [k for k in single[1] if k.startswith(("rewards/", "advantages/")) and "seconds" not in k]:
+        assert replicated[1][key] == pytest.approx(single[1][key], rel=1e-6), key
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert replicated[1][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-9), key
 
 
 def test_old_log_prob_reuse_agrees_with_forced_recompute(tmp_path, monkeypatch):

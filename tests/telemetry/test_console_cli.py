@@ -66,7 +66,10 @@ def trained(tmp_path_factory, env):
 def test_train_names_its_run_directory_first_and_prints_no_third_party_noise(trained):
     run_dir, _, result = trained
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[0] == f"run directory: {run_dir}"
+    first, second = result.stdout.splitlines()[:2]
+    # with several workers the run first says how they share the model, then where to look
+    assert first == "parallelism: actor.strategy=fsdp2 (set by actor.strategy)"
+    assert second == f"run directory: {run_dir}"
     assert noise_in(result) == [], (result.stdout, result.stderr)
     assert "val/rewards/mean" in result.stdout  # the run's own lines are there
 

@@ -24,6 +24,10 @@ NOT_IN_THESE_RUNS = {
     "perf/mfu/step": "GPU",
     "perf/max_memory_allocated_gb": "GPU",
     "perf/max_memory_reserved_gb": "GPU",
+    # several trainer workers only (tests/controller/test_train.py's 2-worker runs log them)
+    "perf/max_memory_allocated_gb_rank": "GPU, several workers",
+    "perf/max_memory_reserved_gb_rank": "GPU, several workers",
+    "perf/max_rss_gb_rank": "several workers",
     # policy-gradient loss variants (tests/controller/test_policy_gradient_family.py runs them)
     "actor/ratio_mean_bias": "grpo_guard",
     "actor/sigma_t": "grpo_guard",

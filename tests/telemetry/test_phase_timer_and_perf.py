@@ -141,3 +141,21 @@ def test_memory_metrics_on_cuda_reset_per_call():
     with timer.phase("gen"):
         torch.ones(1024, 1024, device=device).sum()
     assert timer.seconds()["gen"] > 0
+
+
+def test_peak_over_workers_takes_each_maximum_and_its_rank():
+    from diffrl.telemetry import peak_over_workers
+
+    ranks = [
+        {"perf/max_memory_allocated_gb": 10.0, "perf/max_rss_gb": 3.0},
+        {"perf/max_memory_allocated_gb": 12.5, "perf/max_rss_gb": 3.0},
+        {"perf/max_memory_allocated_gb": 11.0, "perf/max_rss_gb": 2.0},
+    ]
+    assert peak_over_workers(ranks) == {
+        "perf/max_memory_allocated_gb": 12.5,
+        "perf/max_memory_allocated_gb_rank": 1.0,
+        "perf/max_rss_gb": 3.0,
+        "perf/max_rss_gb_rank": 0.0,  # a tie names the lowest rank
+    }
+    # one worker: its own values, no rank keys
+    assert peak_over_workers(ranks[:1]) == ranks[0]

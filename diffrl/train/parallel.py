@@ -1,0 +1,182 @@
+"""How the trainer's workers share one model: replicated (`ddp`), sharded (`fsdp2`), or alone (`none`).
+
+The cheapest parallelism that fits wins:
+
+    ddp    every worker holds the whole model; only the trained parameters' gradients cross the
+           network, averaged over the workers once per optimizer step (`average_gradients`). For a
+           LoRA run of a model that fits one device this is all the communication there is: no
+           sampling step and no trained step gathers weights, so each worker samples and trains at
+           one device's speed (what the reference Flow-GRPO loop does, through accelerate's DDP).
+    fsdp2  parameters, gradients and AdamW state are sharded over the workers (`diffrl.train.fsdp`):
+           every forward all-gathers each block. Needed when the optimizer state of a full
+           fine-tuning, or the model itself, does not fit one device.
+    none   one worker: nothing to share.
+
+`actor.strategy=auto` (the default) chooses with `choose_strategy` from the world size, LoRA or full
+fine-tuning, and the pipeline's weight bytes against one device's memory; the run prints the choice
+and the reason in its first lines, and any other value of `actor.strategy` is taken as given.
+
+Why ddp is one all-reduce here rather than torch's `DistributedDataParallel` wrapper: an optimizer
+step accumulates tens of backward passes (micro-batches × trained steps), and DDP would sync only in
+the last one anyway (`no_sync` around the others); the adapters call the transformer module
+directly and swap it for a frozen reference, which a wrapper's forward would have to intercept;
+and the LoRA gradients are small (SD3.5-M r32: 37.6 MB) next to one backward. So the engine
+averages them itself right before the optimizer step, in a few flat buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from diffrl.config.schema import ActorConfig
+
+STRATEGIES = ActorConfig.STRATEGIES
+
+#: Replicate a LoRA run when the whole pipeline's weights take at most this share of one device's
+#: memory: the rest holds the activations of sampling and training micro-batches. In bf16 on an
+#: 80 GB card this replicates SD3.5 (about 16 GB with its text encoders) and FLUX.1 (34 GB with
+#: T5-XXL), and shards Qwen-Image (57 GB) and Wan2.1-14B (39 GB with umT5-XXL).
+REPLICATE_MAX_WEIGHT_SHARE = 0.45
+
+#: Gradients are averaged in flat buckets of at most this many elements (1 GiB of fp32 gradients):
+#: one collective per bucket instead of one per tensor, and a bounded extra buffer for full models.
+BUCKET_ELEMENTS = 1 << 28
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    strategy: str  # ddp, fsdp2 or none
+    reason: str
+
+    def line(self) -> str:
+        return f"parallelism: actor.strategy={self.strategy} ({self.reason})"
+
+
+def choose_strategy(
+    requested: str,
+    *,
+    world_size: int,
+    lora: bool,
+    sequence_parallel: bool = False,
+    weight_bytes: int | None = None,
+    device_bytes: int | None = None,
+) -> StrategyChoice:
+    """Resolve `actor.strategy` (module docstring). `weight_bytes`: the pipeline's parameters in
+    the model's dtype; `device_bytes`: one device's memory; None where unknown."""
+    if requested not in STRATEGIES:
+        raise ValueError(f"actor.strategy={requested!r} is not one of {', '.join(STRATEGIES)}")
+    if requested != "auto":
+        return StrategyChoice(requested, "set by actor.strategy")
+    if world_size == 1:
+        return StrategyChoice("none", "one worker: nothing to replicate or shard")
+    if not lora:
+        return StrategyChoice(
+            "fsdp2", "full fine-tuning: weights, gradients and AdamW state are sharded over the workers"
+        )
+    if sequence_parallel:
+        return StrategyChoice("fsdp2", "sequence parallelism shards the model with FSDP2")
+    if weight_bytes is not None and device_bytes is not None:
+        share = weight_bytes / device_bytes
+        sizes = f"{weight_bytes / 2**30:.1f} GiB of weights on a {device_bytes / 2**30:.0f} GiB device"
+        if share > REPLICATE_MAX_WEIGHT_SHARE:
+            return StrategyChoice(
+                "fsdp2",
+                f"LoRA, but {sizes} ({share:.0%} > {REPLICATE_MAX_WEIGHT_SHARE:.0%}): the frozen base is sharded",
+            )
+        return StrategyChoice(
+            "ddp",
+            f"LoRA on a model that fits one device ({sizes}): each worker holds the frozen base, only "
+            "the adapters' gradients are averaged",
+        )
+    return StrategyChoice(
+        "ddp", "LoRA: each worker holds the frozen base, only the adapters' gradients are averaged"
+    )
+
+
+def pipeline_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
+    """Bytes the pipeline's parameters take in `dtype`: element counts from the headers of every
+    component's safetensors files (nothing is loaded)."""
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    index = json.loads((root / "model_index.json").read_text())
+    elements = 0
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        for file in sorted((root / name).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118  (safe_open is no mapping)
+                    elements += _numel(f.get_slice(key).get_shape())
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def device_memory_bytes(cpu_workers_per_node: int) -> int | None:
+    """One device's memory as this (driver) process sees it: the first GPU's, or without CUDA this
+    host's memory split over its CPU workers. None when the host does not say."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // cpu_workers_per_node
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@torch.no_grad()
+def average_gradients(params: Sequence[torch.Tensor], group=None) -> None:
+    """Replace each parameter's gradient by its mean over the process group (ddp), in flat buckets.
+
+    Call it on every rank, after the last backward of an optimizer step and before clipping. A
+    parameter without a gradient on this rank (no term reached it) contributes zeros, so every
+    rank makes the same collectives and ends with the same gradients.
+    """
+    world = dist.get_world_size(group)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in by_kind.values():
+        for bucket in _buckets(grads):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat.div_(world)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                g.copy_(part.view_as(g))
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        if buckets[-1] and size + g.numel() > BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel()
+    return buckets
+
+
+__all__ = [
+    "STRATEGIES",
+    "StrategyChoice",
+    "average_gradients",
+    "choose_strategy",
+    "device_memory_bytes",
+    "pipeline_weight_bytes",
+]
