@@ -1,4 +1,4 @@
-"""End-to-end `diffrl train` speed of two SD3.5-Medium recipes on one GPU: one JSON line.
+"""End-to-end `diffrl train` speed of two SD3.5-Medium recipes on one or more GPUs: one JSON line.
 
 Both recipes run through the real machinery (`diffrl.controller.run.train`: config, preflight,
 in-process worker, sampler, JPEG reward, advantages, engine, checkpoint) on a random
@@ -10,6 +10,11 @@ encoders of the real widths). Common: 512², 10 steps, CFG 4.5, noise level 0.7,
                adapter-disabled reference, rollout and actor micro-batch 8, 4 prompts × 8 samples
     lean       a window of 2 in [0, 5), no KL, rollout micro-batch 16, actor 8, 8 prompts × 8
 
+With `--gpus 1 2 4` each recipe runs once per GPU count, colocated, with the same per-GPU batch
+(prompts per step and mini-batch × N: one optimizer step per step either way), and `scaling`
+gives each count's images/s over the first count's. `actor.strategy` is the run's own choice
+(`auto`) unless `--set actor.strategy=...` names one.
+
 The first `--warmup` steps (compilation) are excluded; the rest are averaged. Per phase: seconds per
 image and MFU (the trainer's own `perf/mfu/<phase>`: the adapter's analytic FLOPs, a LoRA backward
 counted as 1× forward, over the GPU's dense bf16 peak). `compile_s` is the first step's time minus
@@ -19,6 +24,7 @@ a measured step's. Peak memory is the worker's `perf/max_memory_allocated_gb` ov
     python benchmarks/e2e_recipe.py --recipe lean --steps 2
     python benchmarks/e2e_recipe.py --tiny --device cpu       # CPU smoke run on a tiny SD3
     python benchmarks/e2e_recipe.py --set model.compile=false # any extra override, both recipes
+    python benchmarks/e2e_recipe.py --gpus 1 2 4              # scaling, same per-GPU batch
 """
 
 from __future__ import annotations
@@ -51,7 +57,6 @@ COMMON = [
     "rollout.pipeline.guidance_scale=4.5",
     "rollout.pipeline.max_sequence_length=128",
     "rollout.sde.noise_level=0.7",
-    "actor.strategy=none",
     "actor.micro_batch_size=8",
     "actor.loss.clip_ratio=1e-4",
     "trainer.save_freq=0",
@@ -65,18 +70,16 @@ RECIPES = {
         "rollout.sde.window_size=9",
         "rollout.sde.window_range=null",
         "actor.loss.kl_coef=0.04",
-        "data.prompts_per_step=4",
-        "actor.mini_batch_size=32",
     ],
     "lean": [
         "rollout.micro_batch_size=16",
         "rollout.sde.window_size=2",
         "rollout.sde.window_range=[0,5]",
         "actor.loss.kl_coef=0",
-        "data.prompts_per_step=8",
-        "actor.mini_batch_size=64",
     ],
 }
+# Per GPU: (prompts per step, trajectories per optimizer step); × the GPU count.
+PER_GPU_BATCH = {"flow_grpo": (4, 32), "lean": (8, 64)}
 # The tiny CPU smoke run: the same recipes at a size a laptop runs in seconds.
 TINY = [
     "model.dtype=float32",
@@ -107,24 +110,30 @@ def build_model(path: Path, tiny: bool, device: str) -> None:
         sys.argv = argv
 
 
-def run_recipe(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict:
+def run_recipe(name: str, gpus: int, model: Path, out: Path, args: argparse.Namespace) -> dict:
     from diffrl.controller.run import train
+    from omegaconf import OmegaConf
 
     total = args.warmup + args.steps
+    prompts, mini_batch = PER_GPU_BATCH[name]
     overrides = [
         f"model.path={model}",
         *COMMON,
         *RECIPES[name],
+        f"data.prompts_per_step={prompts * gpus}",
+        f"actor.mini_batch_size={mini_batch * gpus}",
+        f"trainer.n_gpus_per_node={gpus}",
         *(TINY if args.tiny else []),
         f"trainer.total_steps={total}",
         f"trainer.output_dir={out}",
-        f"trainer.run_name={name}",
+        f"trainer.run_name={name}-{gpus}gpu",
         *args.set,
     ]
     start = time.perf_counter()
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
-    return {**summarise_run(run_dir, args.warmup), "wall_s": wall}
+    strategy = OmegaConf.load(run_dir / "config.yaml").actor.strategy
+    return {**summarise_run(run_dir, args.warmup), "gpus": gpus, "strategy": strategy, "wall_s": wall}
 
 
 def main() -> None:
@@ -139,32 +148,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps")
     parser.add_argument("--out", type=Path, default=None, help="run directories (default: a temp dir)")
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every recipe")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts to run (scaling)")
     args = parser.parse_args()
 
     out = args.out or Path(tempfile.mkdtemp(prefix="e2e_recipe_"))
     model = args.model or (out / "tiny_sd3" if args.tiny else Path("/tmp/sd35m"))
     build_model(model, args.tiny, args.device)
-    if args.recipe == "both":
-        # Each recipe in its own process: compiled graphs, dynamo's caches and the CUDA allocator
-        # of one recipe must not carry over into the other's numbers.
+    names = list(RECIPES) if args.recipe == "both" else [args.recipe]
+    if len(names) * len(args.gpus) > 1:
+        # Each run in its own process: compiled graphs, dynamo's caches and the CUDA allocator of
+        # one run must not carry over into another's numbers.
         results = {}
-        for name in RECIPES:
-            argv = [a for a in sys.argv[1:] if a not in ("both",)]
-            cmd = [
-                sys.executable,
-                __file__,
-                *argv,
-                "--recipe",
-                name,
-                "--model",
-                str(model),
-                "--out",
-                str(out),
-            ]
-            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1])[name]
+        for name in names:
+            runs = {}
+            for gpus in args.gpus:
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    *_child_args(args),
+                    *("--recipe", name, "--gpus", str(gpus), "--model", str(model), "--out", str(out)),
+                ]
+                done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+                runs[gpus] = json.loads(done.stdout.strip().splitlines()[-1])[name]
+                print(f"e2e_recipe: {name} on {gpus} GPU(s): {runs[gpus]}", file=sys.stderr, flush=True)
+            results[name] = runs[args.gpus[0]] if len(runs) == 1 else _scaling(runs)
     else:
-        results = {args.recipe: run_recipe(args.recipe, model, out, args)}
+        results = {names[0]: run_recipe(names[0], args.gpus[0], model, out, args)}
     cuda = torch.cuda.is_available()
     print(
         json.dumps(
@@ -179,6 +188,31 @@ def main() -> None:
             }
         )
     )
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """The parent's settings that every child run shares."""
+    out = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device]
+    if args.tiny:
+        out.append("--tiny")
+    return out + (["--set", *args.set] if args.set else [])
+
+
+def _scaling(runs: dict[int, dict]) -> dict:
+    """Each GPU count's run, and its images/s (all GPUs) and per-GPU efficiency over the first count's."""
+    base_gpus = min(runs)
+    base = runs[base_gpus]["images_per_s_per_gpu"] * base_gpus
+    return {
+        "runs": {f"{g}gpu": r for g, r in runs.items()},
+        "scaling": {
+            f"{g}gpu": {
+                "images_per_s": r["images_per_s_per_gpu"] * g,
+                "speedup": r["images_per_s_per_gpu"] * g / base,
+                "per_gpu_efficiency": r["images_per_s_per_gpu"] / runs[base_gpus]["images_per_s_per_gpu"],
+            }
+            for g, r in runs.items()
+        },
+    }
 
 
 if __name__ == "__main__":

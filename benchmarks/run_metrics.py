@@ -28,12 +28,13 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
         values = [r[key] for r in measured if key in r]
         return statistics.fmean(values) if values else None
 
+    # trajectories per GPU per step (the logged throughput is per GPU)
     images = round(measured[0]["timing_s/step"] * measured[0]["throughput/images_per_s_per_gpu"])
     phases = [k.removeprefix("timing_s/") for k in measured[0] if k.startswith("timing_s/")]
     phases = [p for p in phases if p not in ("step", "checkpoint", "validation")]
     step_s = mean("timing_s/step")
     return {
-        "images_per_step": images,
+        "images_per_step_per_gpu": images,
         "images_per_s_per_gpu": images / step_s,
         "step_s": step_s,
         "step_s_each": [round(r["timing_s/step"], 3) for r in records],
