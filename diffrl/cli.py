@@ -96,10 +96,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     prompts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file {args.prompts_file!r} does not exist")
-        prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        from diffrl.data.prompts import read_text_prompts
+
+        prompts += read_text_prompts(Path(args.prompts_file), "--prompts-file")
     written = generate(
         args.model,
         prompts,

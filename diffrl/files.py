@@ -1,10 +1,78 @@
-"""Small file helpers shared by the loops and the CLI."""
+"""Small file helpers shared by the loops and the CLI.
+
+Reading a file the user names goes through `open_regular` (or `read_json_file`): a FIFO, a socket
+or a device (`/dev/zero`, `/dev/stdin`) in place of a file would block forever or never end, so
+anything but a regular file is a ValueError naming the path and what it is, raised at once.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
+from typing import Any, BinaryIO
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, what: str) -> BinaryIO:
+    """`path` opened for reading in binary mode, if it is a regular file (a symlink to one is fine).
+
+    Opened with O_NONBLOCK, so a FIFO does not wait for a writer, then checked with fstat (the
+    file opened is the file checked): anything else raises ValueError naming `what` (e.g.
+    "data.train_files"), the path and what it is. A missing file is a FileNotFoundError.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: {path} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what}: {path} is a directory, not a file: give a file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(
+                f"{what}: {path} is {_kind(mode)}, not a regular file: diffrl reads files whole and would "
+                "wait forever on it; give a regular file (copy the data into one)"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str | os.PathLike, what: str) -> Path:
+    """Raise as `open_regular` does unless `path` is a regular file; returns it (for readers that
+    take a path, such as safetensors)."""
+    open_regular(path, what).close()
+    return Path(path)
+
+
+def read_json_file(path: str | os.PathLike, what: str, fix: str) -> Any:
+    """The parsed JSON of the regular file `path`; a file that does not parse is a ValueError naming
+    the file, what it is (`what`), the parser's message with its line and column, and `fix`."""
+    with open_regular(path, what) as file:
+        data = file.read()
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({err.reason}): {fix}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{what} {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}: {fix}"
+        ) from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:

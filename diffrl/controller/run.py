@@ -36,8 +36,9 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import atomic_write_text, write_json
+from diffrl.files import atomic_write_text, check_regular, read_json_file, write_json
 from diffrl.models import read_model_index, resolve_model_path
+from diffrl.models.base import MODEL_DIR_FIX
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
@@ -91,17 +92,22 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
 
 
 def check_model_files(path: str, index: dict) -> None:
-    """Every component's safetensors files have a readable header that covers the file.
+    """Every component's JSON files parse, and its safetensors files have a readable header that
+    covers the file; each is a regular file.
 
     Reading a header costs a few kilobytes, while loading a large model takes minutes before a
-    garbage or truncated file would fail inside diffusers."""
+    garbage or truncated file would fail inside diffusers (a broken config.json there is an OSError
+    that does not say what is wrong)."""
     from safetensors import SafetensorError, safe_open
 
     root = resolve_model_path(path)
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
             continue
+        for file in sorted((root / name).glob("*.json")):
+            read_json_file(file, f"model.path={path!r}:", MODEL_DIR_FIX)
         for file in sorted((root / name).glob("*.safetensors")):
+            check_regular(file, f"model.path={path!r}:")
             try:
                 with safe_open(file, framework="pt") as handle:
                     handle.keys()
@@ -113,12 +119,9 @@ def check_model_files(path: str, index: dict) -> None:
 
 
 def _read_json(file: Path) -> dict | None:
-    if not file.is_file():
+    if not file.exists():
         return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err}): the model directory is damaged") from None
+    data = read_json_file(file, "model config", MODEL_DIR_FIX)
     return data if isinstance(data, dict) else None
 
 

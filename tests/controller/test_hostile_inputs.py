@@ -1,0 +1,150 @@
+"""Hostile inputs, second round (issue 32): a FIFO or device where a file belongs, a model directory
+whose JSON does not parse, an output place that cannot be written, sizes beyond what the machine
+holds. Each is an exit 2 at once, naming the path or key, before any worker starts; no run folder.
+
+The commands run in a thread with a deadline, so one that blocks (the old behaviour on a FIFO)
+fails the test instead of hanging it; the FIFO is then given a writer that closes, to end the wait.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from diffrl.cli import main
+from diffrl.controller import run as run_module
+
+FAST = [
+    "trainer.total_steps=1",
+    "trainer.save_freq=1",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+]
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    def refuse(cfg):
+        raise AssertionError("the workers started: the error was found too late")
+
+    monkeypatch.setattr(run_module, "worker_session", refuse)
+
+
+def _unblock(fifos):
+    for fifo in fifos:
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file
+
+
+def exit_code(argv, fifos=(), deadline=DEADLINE_S):
+    """`diffrl <argv>`'s exit status, failing the test if it has not ended within `deadline`."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(code=main(argv)), daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if thread.is_alive():
+        for _ in range(100):
+            _unblock(fifos)
+            thread.join(0.1)
+            if not thread.is_alive():
+                break
+        pytest.fail(f"diffrl {' '.join(map(str, argv))} was still running after {deadline:g} s (blocked)")
+    return result["code"]
+
+
+def train_refused(tmp_path, capsys, *overrides, source="tiny_sd3", fifos=()):
+    argv = [
+        "train",
+        source,
+        f"trainer.output_dir={tmp_path / 'out'}",
+        "trainer.run_name=r",
+        *FAST,
+        *overrides,
+    ]
+    assert exit_code(argv, fifos) == 2
+    assert not (tmp_path / "out" / "r").exists()
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- (3) non-regular files
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "where", ["train_txt", "train_jsonl", "val_parquet", "dev_zero", "config", "index", "component"]
+)
+def test_a_fifo_or_device_where_a_file_belongs_is_refused_at_once(
+    tmp_path, capsys, tiny_model, no_workers, where
+):
+    overrides, source = [], "tiny_sd3"
+    if where in ("train_txt", "train_jsonl", "val_parquet"):
+        named = _fifo(
+            tmp_path / {"train_txt": "p.txt", "train_jsonl": "p.jsonl", "val_parquet": "p.parquet"}[where]
+        )
+        key = "data.val_files" if where.startswith("val") else "data.train_files"
+        overrides, kind = [f"{key}=[{named}]"], "a FIFO (named pipe)"
+    elif where == "dev_zero":
+        named = tmp_path / "zero.txt"
+        named.symlink_to("/dev/zero")  # endless, a read never ends
+        overrides, kind = [f"data.train_files=[{named}]"], "a character device"
+    elif where == "config":
+        named, kind = _fifo(tmp_path / "run.yaml"), "a FIFO (named pipe)"
+        source = str(named)
+    else:
+        model = tmp_path / "model"
+        shutil.copytree(tiny_model("sd3"), model)
+        named = model / ("model_index.json" if where == "index" else "scheduler/scheduler_config.json")
+        named.unlink()
+        _fifo(named)
+        overrides, kind = [f"model.path={model}"], "a FIFO (named pipe)"
+    err = train_refused(tmp_path, capsys, *overrides, source=source, fifos=[named])
+    assert f"{named} is {kind}, not a regular file" in err, err
+
+
+def test_sample_prompts_file_fifo_is_refused_at_once(tmp_path, capsys, tiny_model):
+    fifo = _fifo(tmp_path / "prompts.txt")
+    argv = [
+        "sample",
+        "--model",
+        str(tiny_model("sd3")),
+        "--prompts-file",
+        str(fifo),
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    assert exit_code(argv, [fifo]) == 2
+    assert f"{fifo} is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- (4) broken model JSON
+@pytest.mark.parametrize(
+    "name",
+    ["model_index.json", "transformer/config.json", "scheduler/scheduler_config.json", "vae/config.json"],
+)
+def test_a_model_json_that_does_not_parse_is_named_with_what_is_wrong(
+    tmp_path, capsys, tiny_model, no_workers, name
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("sd3"), model)
+    broken = model / name
+    text = broken.read_text()
+    cut = text.index(",")  # drop the first comma: "Expecting ',' delimiter"
+    broken.write_text(text[:cut] + text[cut + 1 :])
+    with pytest.raises(json.JSONDecodeError) as parser:
+        json.loads(broken.read_text())
+    err = train_refused(tmp_path, capsys, f"model.path={model}")
+    where = f"line {parser.value.lineno} column {parser.value.colno}"
+    assert f"{broken} is not valid JSON: {parser.value.msg} at {where}" in err, err
+    assert "the model directory is damaged" in err
