@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,6 +59,32 @@ def check_regular(path: str | os.PathLike, what: str) -> Path:
     take a path, such as safetensors)."""
     open_regular(path, what).close()
     return Path(path)
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Raise ValueError naming `what`, the path and the fix unless a folder can be made (or is) at
+    `path` and written in: checked before any work, so a run or an export does not fail at its
+    end, minutes later, on a read-only file system, a regular file in the way or a folder of
+    another user. The nearest existing folder on the way (`path` itself when it exists) must be a
+    folder, and a file is made and removed in it (permissions and read-only mounts alike, for root
+    too). Returns `path`."""
+    path = Path(path)
+    named = f"{what} {str(path)!r}" if what.startswith("--") else f"{what}={str(path)!r}"
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == path else f"lies under {probe}, which is a file"
+        raise ValueError(f"{named} {where}, not a folder: give a folder path (new or existing)")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".diffrl-write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{named} cannot be written: making a file in {probe} failed ({err.strerror}): "
+            "give a folder on a writable file system that you may write to"
+        ) from None
+    return path
 
 
 def read_json_file(path: str | os.PathLike, what: str, fix: str) -> Any:

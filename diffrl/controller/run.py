@@ -36,7 +36,7 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import atomic_write_text, check_regular, read_json_file, write_json
+from diffrl.files import atomic_write_text, check_output_dir, check_regular, read_json_file, write_json
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.models.base import MODEL_DIR_FIX
 from diffrl.rewards import reward_specs
@@ -199,6 +199,7 @@ def probe_scorers(specs: Sequence[Any]) -> None:
 
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
+    check_output_dir(cfg.trainer.output_dir, "trainer.output_dir")
     _check_trainer_type(cfg)
     _check_merge_inference(cfg)
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:

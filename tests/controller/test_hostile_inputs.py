@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -148,3 +149,71 @@ def test_a_model_json_that_does_not_parse_is_named_with_what_is_wrong(
     where = f"line {parser.value.lineno} column {parser.value.colno}"
     assert f"{broken} is not valid JSON: {parser.value.msg} at {where}" in err, err
     assert "the model directory is damaged" in err
+
+
+# ------------------------------------------------------------------- (5) unwritable outputs
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only file system (a tmpfs mounted ro): root may write anywhere else, so chmod won't do."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    yield ro
+    subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished")
+    env = pytest.MonkeyPatch()
+    env.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+    assert main(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=done", *FAST]) == 0
+    yield out / "done"
+    env.undo()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch, no_workers):
+    import diffrl.controller.evaluate
+    import diffrl.models
+    import diffrl.rollout.generate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model loaded: the unwritable output was found too late")
+
+    monkeypatch.setattr(diffrl.models, "load_model", refuse)
+    monkeypatch.setattr(diffrl.rollout.generate, "load_model", refuse)
+    monkeypatch.setattr(diffrl.controller.evaluate, "worker_session", refuse)
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "export", "eval", "sample"])
+@pytest.mark.parametrize("place", ["read_only", "a_file", "under_a_file"])
+def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
+    tmp_path, capsys, read_only_dir, finished_run, tiny_model, no_model_loads, command, place
+):
+    blocker = tmp_path / "taken"
+    blocker.write_text("keep me")
+    out = {"read_only": read_only_dir / "out", "a_file": blocker, "under_a_file": blocker / "out"}[place]
+    argv = {
+        "train": ["train", "tiny_sd3", f"trainer.output_dir={out}", *FAST],
+        "sft": ["sft", "shapes_sft", f"trainer.output_dir={out}", "trainer.total_steps=1"],
+        "export": ["export", str(finished_run), "--out", str(out)],
+        "eval": ["eval", str(finished_run), "--out", str(out)],
+        "sample": ["sample", "--model", str(tiny_model("sd3")), "--prompt", "a cat", "--out", str(out)],
+    }[command]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    key = "trainer.output_dir=" if command in ("train", "sft") else "--out "
+    why = {
+        "read_only": "cannot be written: making a file in",
+        "a_file": "is a file, not a folder",
+        "under_a_file": f"lies under {blocker}, which is a file",
+    }[place]
+    assert f"{key}{str(out)!r} {why}" in err, err
+    if place == "read_only":
+        assert "Read-only file system" in err
+    assert blocker.read_text() == "keep me"
