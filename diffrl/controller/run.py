@@ -35,6 +35,7 @@ from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
+from diffrl.controller.sizes import check_sizes
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.files import atomic_write_text, check_output_dir, check_regular, read_json_file, write_json
 from diffrl.models import read_model_index, resolve_model_path
@@ -205,6 +206,7 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
+    check_sizes(cfg, len(val))
     if cfg.algorithm.sample_source == "offline":
         from diffrl.data.preference import check_pairs
 

@@ -217,3 +217,35 @@ def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
     if place == "read_only":
         assert "Read-only file system" in err
     assert blocker.read_text() == "keep me"
+
+
+# ------------------------------------------------------------------- (2) sizes without a bound
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "rollout.pipeline.num_inference_steps=1000000000",
+            "rollout.pipeline.num_inference_steps=1000000000 is more than the 1000 noise levels",
+        ),
+        (
+            "rollout.val.num_inference_steps=1001",
+            "rollout.val.num_inference_steps=1001 is more than the 1000 noise levels",
+        ),
+        (
+            "data.prompts_per_step=1000000000",
+            "data.prompts_per_step=1000000000 x rollout.n=4 = 4000000000 images per step",
+        ),
+        ("rollout.val.n=1000000000", "rollout.val.n=1000000000 x "),
+        ("model.lora.rank=1000000", "model.lora.rank=1000000 is more than the transformer's width 32"),
+    ],
+)
+def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
+    tmp_path, capsys, no_workers, override, message
+):
+    """The bound comes from the model's files (1000 timesteps, width 4 x 8 in tiny:sd3's configs)
+    or the machine's memory (`os.sysconf`): a billion of anything is refused within the deadline,
+    before any worker starts (it used to take the machine's memory, or spin, until killed)."""
+    err = train_refused(tmp_path, capsys, override, "trainer.test_freq=1")
+    assert message in err, err
+    if "images" in message:
+        assert "GiB" in err and "more than this machine's" in err
