@@ -489,8 +489,12 @@ def _lock(run_dir: Path) -> int:
         raise ValueError(
             f"cannot lock run folder {run_dir} ({err}): put trainer.output_dir on a local file system"
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:  # e.g. ENOSPC: the caller removes a folder it made
+        os.close(fd)
+        raise
     return fd
 
 
@@ -512,6 +516,10 @@ def _create_and_lock(run_dir: Path, attempts: int = 5) -> tuple[int, bool]:
             fd = _lock(run_dir)
         except FileNotFoundError:  # removed between the mkdir and the open
             continue
+        except BaseException:  # a full disk, a refused lock: leave no half-made folder behind
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         try:
             current = os.stat(run_dir / LOCK_FILE)
         except FileNotFoundError:

@@ -62,6 +62,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -233,13 +234,24 @@ def _set_rng_state(state: dict[str, Any], source: Path) -> None:
 
 # ---------------------------------------------------------------------------------- save
 def _save_tensors(state: dict[str, Any], directory: Path) -> None:
-    """Every rank writes its own shards of `state` as safetensors (see the module docstring)."""
-    with _single_process_quiet():
-        dcp.save(
-            state,
-            storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True),
-            no_dist=not is_distributed(),
-        )
+    """Every rank writes its own shards of `state` as safetensors (see the module docstring).
+
+    DCP wraps a rank's write error (a full disk) in its CheckpointException, a BaseException that
+    an `except Exception` misses: the first OSError inside is raised as itself (the CLI names a full
+    disk), anything else as a RuntimeError carrying DCP's report."""
+    try:
+        with _single_process_quiet():
+            dcp.save(
+                state,
+                storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True),
+                no_dist=not is_distributed(),
+            )
+    except CheckpointException as err:
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+        for cause in causes:
+            if isinstance(cause, OSError):
+                raise cause from None
+        raise RuntimeError(f"writing the checkpoint's tensors to {directory} failed: {err}") from None
 
 
 def _data_files(directory: Path, skip_dir: str | None = None) -> list[str]:
@@ -351,29 +363,35 @@ def save_checkpoint(
     if optim_json is not None:
         rank0_files["optim.json"] = optim_json
 
-    with _every_rank_succeeds("creating the temporary folder"):
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(root)
-            tmp.mkdir()
+    try:
+        with _every_rank_succeeds("creating the temporary folder"):
+            if rank == 0:
+                root.mkdir(parents=True, exist_ok=True)
+                _remove_leftovers(root)
+                tmp.mkdir()
 
-    with _every_rank_succeeds("writing the shards"):
-        _write_rank_files(tmp, rank, model_state, optim_tensors)
-        if rank == 0:
-            _write_rank0_files(tmp, rank0_files)
+        with _every_rank_succeeds("writing the shards"):
+            _write_rank_files(tmp, rank, model_state, optim_tensors)
+            if rank == 0:
+                _write_rank0_files(tmp, rank0_files)
 
-    # Each rank hashes a share of the files (a big model's shards take minutes on one core).
-    with _every_rank_succeeds("hashing the files"):
-        names = _data_files(tmp, skip_dir=_PARTS_DIR)
-        part = {
-            name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-            for name in _my_share(names)
-        }
-        _write_durable(tmp / _PARTS_DIR / f"rank_{rank:05d}.json", _json_bytes(part, "manifest part", ""))
+        # Each rank hashes a share of the files (a big model's shards take minutes on one core).
+        with _every_rank_succeeds("hashing the files"):
+            names = _data_files(tmp, skip_dir=_PARTS_DIR)
+            part = {
+                name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                for name in _my_share(names)
+            }
+            _write_durable(tmp / _PARTS_DIR / f"rank_{rank:05d}.json", _json_bytes(part, "manifest part", ""))
 
-    with _every_rank_succeeds("publishing the checkpoint"):
+        with _every_rank_succeeds("publishing the checkpoint"):
+            if rank == 0:
+                _publish(root, tmp, final, names, step, keep_last)
+    except BaseException:
+        # a full disk or a failed rank: nothing half-written stays (the previous checkpoints do)
         if rank == 0:
-            _publish(root, tmp, final, names, step, keep_last)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 

@@ -249,3 +249,68 @@ def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
     assert message in err, err
     if "images" in message:
         assert "GiB" in err and "more than this machine's" in err
+
+
+# ------------------------------------------------------------------- (6) a full disk
+@pytest.fixture
+def full_disk(tmp_path):
+    """A tiny tmpfs filled up to its last block."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+        while True:
+            filler.write(b"x" * 4096)
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_fresh_run_on_a_full_disk_says_so_and_leaves_no_folder(tmp_path, capsys, full_disk, no_workers):
+    out = full_disk / "runs"
+    assert exit_code(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=r", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "the disk is full (No space left on device)" in err and "Traceback" not in err, err
+    assert not (out / "r").exists(), sorted(p.name for p in (out / "r").iterdir())
+
+
+def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_temporary_folder(
+    tmp_path, capsys, monkeypatch
+):
+    import errno
+
+    import diffrl.train.checkpoint as checkpoint
+
+    write, calls = checkpoint._write_durable, []
+
+    def fills_up(path, data):  # the disk fills while the second checkpoint's metadata is written
+        if str(path).endswith("meta.json"):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write(path, data)
+
+    monkeypatch.setattr(checkpoint, "_write_durable", fills_up)
+    argv = [
+        "train",
+        "tiny_sd3",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=r",
+        *FAST,
+        "trainer.total_steps=2",
+    ]
+    assert exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert (
+        "the disk is full (No space left on device) writing" in captured.err
+        and "Traceback" not in captured.err
+    )
+    assert "no steps logged" not in captured.out
+    run = tmp_path / "r"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]  # no .tmp-step_*
+    from diffrl.telemetry import read_metrics
+
+    assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]  # the trained step is logged
