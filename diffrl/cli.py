@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,10 +97,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     prompts = list(args.prompt)
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file {args.prompts_file!r} does not exist")
-        prompts += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        from diffrl.data.prompts import read_text_prompts
+
+        prompts += read_text_prompts(Path(args.prompts_file), "--prompts-file")
     written = generate(
         args.model,
         prompts,
@@ -254,6 +254,17 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     return real.func(real)
 
 
+def _disk_full(error: BaseException) -> OSError | None:
+    """The full-disk OSError (ENOSPC, EDQUOT) `error` is or was raised from (a worker's error
+    carries its cause), or None."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -268,6 +279,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         # User errors carry their own fix in the message; a traceback would bury it.
         print(f"diffrl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        err = _disk_full(error)
+        if err is None:
+            raise
+        # Every write diffrl makes is atomic (temporary file or folder, then a rename), so what was
+        # published before stays whole: say so, and where the disk filled.
+        print(
+            f"diffrl {args.command}: error: the disk is full ({err.strerror}) writing "
+            f"{err.filename or 'a file'}: nothing was half-written (files and checkpoints are written to "
+            "a temporary name and renamed when whole), so every checkpoint and metrics line already "
+            "there is intact; free space on that file system, then resume (trainer.resume=auto) or rerun",
+            file=sys.stderr,
+        )
         return 2
 
 

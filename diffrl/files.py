@@ -1,10 +1,105 @@
-"""Small file helpers shared by the loops and the CLI."""
+"""Small file helpers shared by the loops and the CLI.
+
+Reading a file the user names goes through `open_regular` (or `read_json_file`): a FIFO, a socket
+or a device (`/dev/zero`, `/dev/stdin`) in place of a file would block forever or never end, so
+anything but a regular file is a ValueError naming the path and what it is, raised at once.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import tempfile
 from pathlib import Path
+from typing import Any, BinaryIO
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, what: str) -> BinaryIO:
+    """`path` opened for reading in binary mode, if it is a regular file (a symlink to one is fine).
+
+    Opened with O_NONBLOCK, so a FIFO does not wait for a writer, then checked with fstat (the
+    file opened is the file checked): anything else raises ValueError naming `what` (e.g.
+    "data.train_files"), the path and what it is. A missing file is a FileNotFoundError.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: {path} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what}: {path} is a directory, not a file: give a file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(
+                f"{what}: {path} is {_kind(mode)}, not a regular file: diffrl reads files whole and would "
+                "wait forever on it; give a regular file (copy the data into one)"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str | os.PathLike, what: str) -> Path:
+    """Raise as `open_regular` does unless `path` is a regular file; returns it (for readers that
+    take a path, such as safetensors)."""
+    open_regular(path, what).close()
+    return Path(path)
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Raise ValueError naming `what`, the path and the fix unless a folder can be made (or is) at
+    `path` and written in: checked before any work, so a run or an export does not fail at its
+    end, minutes later, on a read-only file system, a regular file in the way or a folder of
+    another user. The nearest existing folder on the way (`path` itself when it exists) must be a
+    folder, and a file is made and removed in it (permissions and read-only mounts alike, for root
+    too). Returns `path`."""
+    path = Path(path)
+    named = f"{what} {str(path)!r}" if what.startswith("--") else f"{what}={str(path)!r}"
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == path else f"lies under {probe}, which is a file"
+        raise ValueError(f"{named} {where}, not a folder: give a folder path (new or existing)")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".diffrl-write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{named} cannot be written: making a file in {probe} failed ({err.strerror}): "
+            "give a folder on a writable file system that you may write to"
+        ) from None
+    return path
+
+
+def read_json_file(path: str | os.PathLike, what: str, fix: str) -> Any:
+    """The parsed JSON of the regular file `path`; a file that does not parse is a ValueError naming
+    the file, what it is (`what`), the parser's message with its line and column, and `fix`."""
+    with open_regular(path, what) as file:
+        data = file.read()
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text ({err.reason}): {fix}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{what} {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}: {fix}"
+        ) from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:

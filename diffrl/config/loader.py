@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from diffrl.config.schema import Config, ConfigError
+from diffrl.files import open_regular
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "default"
@@ -57,7 +58,7 @@ def resolve_source(source: str | None) -> Path:
         source = DEFAULT_PRESET
     if source.endswith((".yaml", ".yml")) or "/" in source:
         path = Path(source)
-        if not path.is_file():
+        if not path.exists():  # anything else (a directory, a FIFO) is named by _read_yaml
             raise FileNotFoundError(
                 f"config file {source!r} does not exist (presets: {', '.join(preset_names())})"
             )
@@ -197,7 +198,12 @@ def _replace_paths(node: yaml.Node, path: tuple[str, ...], found: list[tuple[str
 
 
 def _read_yaml(path: Path) -> _Layer:
-    text = path.read_text(encoding="utf-8")
+    with open_regular(path, "config file") as file:
+        data = file.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason}): save the config file as UTF-8") from None
     replace: list[tuple[str, ...]] = []
     try:
         if REPLACE_TAG in text:
@@ -231,7 +237,7 @@ def _file_layers(path: Path, chain: tuple[Path, ...]) -> list[_Layer]:
     base_path = Path(base)
     if base.endswith((".yaml", ".yml")) and not base_path.is_absolute():
         base_path = path.parent / base_path  # relative to the file that names it
-        if not base_path.is_file():
+        if not base_path.exists():
             raise FileNotFoundError(f"{path}: base {base!r} does not exist (looked at {base_path})")
     else:
         base_path = resolve_source(base)

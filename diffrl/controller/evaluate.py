@@ -21,6 +21,7 @@ from diffrl.config import load_config
 from diffrl.config.schema import Config
 from diffrl.controller.run import preflight_common, worker_session
 from diffrl.controller.validation import run_validation
+from diffrl.files import check_output_dir
 from diffrl.telemetry.report import validation_metrics
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 
@@ -57,14 +58,7 @@ def evaluate(target: str, overrides: Sequence[str] = (), out_dir: str | None = N
     """Validate TARGET (see the module docstring); returns the metrics and prints them."""
     cfg, checkpoint, default_out = resolve_target(target, overrides)
     _, val_records = preflight_common(cfg)
-    out = Path(out_dir) if out_dir else default_out
-    if out.exists() and not out.is_dir():
-        raise ValueError(
-            f"--out {str(out)!r} is a file: eval writes eval.json and a validation/ folder there, so give a "
-            "folder (new or existing)"
-        )
-    if any(parent.exists() and not parent.is_dir() for parent in out.parents):
-        raise ValueError(f"--out {str(out)!r} lies under a file: give a folder path")
+    out = check_output_dir(Path(out_dir) if out_dir else default_out, "--out")
     with worker_session(cfg) as (workers, rewards):
         step = 0
         if checkpoint is not None:

@@ -4,8 +4,11 @@ A loop subclasses `TrainingLoop` and implements `train_step()` (one step's work,
 metrics). `fit()` then runs the schedule the config describes:
 
     validation at step 0 (trainer.val_before_train), then for each step: train_step,
-    validation every trainer.test_freq steps and at the last step, a checkpoint every
-    trainer.save_freq steps and at the last step, one metrics record.
+    validation every trainer.test_freq steps and at the last step, the step's metrics record, then
+    a checkpoint every trainer.save_freq steps and at the last step (its save time is a second
+    record of the step, `timing_s/checkpoint`).
+
+The record comes first so that a checkpoint never covers a step missing from metrics.jsonl.
 
 A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
 run continues exactly where the interrupted one would have been.
@@ -150,11 +153,15 @@ class TrainingLoop:
                 with self.timer.phase("validation"):
                     last_val = self.validate()
                 metrics.update(last_val)
+            metrics.update(self.timer.metrics(0, 1, only=("validation",)))
+            # The step's record is durable (fsync'ed) before its checkpoint is published: a run
+            # killed between the two resumes from the previous checkpoint and logs this step again
+            # (its new record replaces this one), so every step a checkpoint covers is logged.
+            self.logger.log(self.step, metrics)
             if last_step or (cfg.save_freq and self.step % cfg.save_freq == 0):
                 with self.timer.phase("checkpoint"), progress(f"checkpoint of step {self.step}"):
                     self.save()
-            metrics.update(self.timer.metrics(0, 1, only=("validation", "checkpoint")))
-            self.logger.log(self.step, metrics)
+                self.logger.log_more(self.step, self.timer.metrics(0, 1, only=("checkpoint",)))
         return last_val
 
     def check_finite(self, metrics: dict[str, float]) -> None:

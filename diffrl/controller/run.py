@@ -35,9 +35,11 @@ from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
+from diffrl.controller.sizes import check_sizes
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import atomic_write_text, write_json
+from diffrl.files import atomic_write_text, check_output_dir, check_regular, read_json_file, write_json
 from diffrl.models import read_model_index, resolve_model_path
+from diffrl.models.base import MODEL_DIR_FIX
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
@@ -117,17 +119,22 @@ def choose_parallelism(cfg: Config) -> None:
 
 
 def check_model_files(path: str, index: dict) -> None:
-    """Every component's safetensors files have a readable header that covers the file.
+    """Every component's JSON files parse, and its safetensors files have a readable header that
+    covers the file; each is a regular file.
 
     Reading a header costs a few kilobytes, while loading a large model takes minutes before a
-    garbage or truncated file would fail inside diffusers."""
+    garbage or truncated file would fail inside diffusers (a broken config.json there is an OSError
+    that does not say what is wrong)."""
     from safetensors import SafetensorError, safe_open
 
     root = resolve_model_path(path)
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
             continue
+        for file in sorted((root / name).glob("*.json")):
+            read_json_file(file, f"model.path={path!r}:", MODEL_DIR_FIX)
         for file in sorted((root / name).glob("*.safetensors")):
+            check_regular(file, f"model.path={path!r}:")
             try:
                 with safe_open(file, framework="pt") as handle:
                     handle.keys()
@@ -139,12 +146,9 @@ def check_model_files(path: str, index: dict) -> None:
 
 
 def _read_json(file: Path) -> dict | None:
-    if not file.is_file():
+    if not file.exists():
         return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err}): the model directory is damaged") from None
+    data = read_json_file(file, "model config", MODEL_DIR_FIX)
     return data if isinstance(data, dict) else None
 
 
@@ -222,11 +226,13 @@ def probe_scorers(specs: Sequence[Any]) -> None:
 
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
+    check_output_dir(cfg.trainer.output_dir, "trainer.output_dir")
     _check_trainer_type(cfg)
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
     _check_merge_inference(cfg)  # after preflight_common has chosen actor.strategy
+    check_sizes(cfg, len(val))
     if cfg.algorithm.sample_source == "offline":
         from diffrl.data.preference import check_pairs
 
@@ -510,8 +516,12 @@ def _lock(run_dir: Path) -> int:
         raise ValueError(
             f"cannot lock run folder {run_dir} ({err}): put trainer.output_dir on a local file system"
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:  # e.g. ENOSPC: the caller removes a folder it made
+        os.close(fd)
+        raise
     return fd
 
 
@@ -533,6 +543,10 @@ def _create_and_lock(run_dir: Path, attempts: int = 5) -> tuple[int, bool]:
             fd = _lock(run_dir)
         except FileNotFoundError:  # removed between the mkdir and the open
             continue
+        except BaseException:  # a full disk, a refused lock: leave no half-made folder behind
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         try:
             current = os.stat(run_dir / LOCK_FILE)
         except FileNotFoundError:

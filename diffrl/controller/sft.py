@@ -32,7 +32,7 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.run import job, preflight_common, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
-from diffrl.files import write_json
+from diffrl.files import check_output_dir, open_regular, write_json
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.workers.roles import ImageShard
 
@@ -161,9 +161,9 @@ def image_file(record: PromptRecord, column: str) -> Path:
 def check_image(record: PromptRecord, column: str, height: int, width: int) -> Path:
     """The row's image file, checked to exist and have the training size (reads the header only)."""
     path = image_file(record, column)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{record.source}: image {path} not found")
-    with Image.open(path) as image:
+    with open_regular(path, f"{record.source}: image") as file, Image.open(file) as image:
         if image.size != (width, height):
             raise ValueError(
                 f"{path} is {image.size[0]}x{image.size[1]} but training runs at {width}x{height} "
@@ -175,6 +175,7 @@ def check_image(record: PromptRecord, column: str, height: int, width: int) -> P
 # ---------------------------------------------------------------------------------- command
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Config rules of supervised training and every data row's image, before any model starts."""
+    check_output_dir(cfg.trainer.output_dir, "trainer.output_dir")
     train, val = preflight_common(cfg)
     for record in train:
         if cfg.sft.images == SHAPES:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from diffrl.files import open_regular
+
 SHAPES = "shapes"
 
 
@@ -30,7 +32,7 @@ def load_image_rows(
 
             images.append(render(Scene.from_dict(row), size=height, generator=np.random.default_rng(seed)))
         else:
-            with Image.open(Path(row)) as image:
+            with open_regular(Path(row), "image") as file, Image.open(file) as image:
                 if image.size != (width, height):
                     raise ValueError(
                         f"{row} is {image.size[0]}x{image.size[1]} but training runs at {width}x{height} "

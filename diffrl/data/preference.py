@@ -27,6 +27,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from diffrl.data.prompts import PromptRecord
+from diffrl.files import open_regular
 
 CACHE_DIR = "preference_cache"
 CACHE_FILE = "encodings.safetensors"
@@ -58,12 +59,12 @@ def check_pairs(
     for record in records:
         pair = pair_paths(record, chosen_key, rejected_key)
         for path, key in zip(pair, (chosen_key, rejected_key), strict=True):
-            if not path.is_file():
+            if not path.exists():
                 raise FileNotFoundError(
                     f"{record.source}: column {key!r}: image {path} not found (relative paths are "
                     "relative to the data file)"
                 )
-            with Image.open(path) as image:
+            with open_regular(path, f"{record.source}: column {key!r}:") as file, Image.open(file) as image:
                 if image.size != (width, height):
                     raise ValueError(
                         f"{record.source}: column {key!r}: {path} is {image.size[0]}x{image.size[1]} but "

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffrl.files import open_regular
+
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 NEGATIVE_PROMPT_KEY = "negative_prompt"
 DATA_SOURCE_KEY = "data_source"
@@ -112,7 +114,7 @@ def _load_file(path: Path, prompt_key: str) -> list[PromptRecord]:
 def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(1-based number, line) of the file (UTF-8, a BOM allowed), split on newlines only so numbers
     match an editor's; streamed, holding at most MAX_ROW_BYTES of one line in memory."""
-    with open(path, "rb") as file:
+    with open_regular(path, "prompt file") as file:
         number = 0
         while True:
             data = file.readline(MAX_ROW_BYTES + 1)
@@ -132,6 +134,14 @@ def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
                     f"{path}:{number}: not valid UTF-8 ({err.reason}); save the file as UTF-8"
                 ) from None
             yield number, text.removesuffix("\n").removesuffix("\r")
+
+
+def read_text_prompts(path: Path, what: str) -> list[str]:
+    """The non-blank lines of a text file of prompts (`diffrl sample --prompts-file`), checked as
+    a .txt prompt file's are (a regular file, line and prompt lengths, UTF-8)."""
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist")
+    return [record.prompt for record in _load_txt(path)]
 
 
 def _load_txt(path: Path) -> list[PromptRecord]:
@@ -172,7 +182,8 @@ def _load_parquet(path: Path, prompt_key: str) -> list[PromptRecord]:
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
     try:
-        table = pq.read_table(path)
+        with open_regular(path, "prompt file") as file:
+            table = pq.read_table(file)
     except (pa.ArrowInvalid, OSError) as err:
         raise ValueError(f"{path}: not a readable parquet file ({err})") from None
     if table.num_rows == 0:

@@ -7,7 +7,6 @@ names modules rather than importing them, so loading one family never imports th
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 import tempfile
@@ -15,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from diffrl.models.base import ModelAdapter, PromptEmbeds
+from diffrl.files import read_json_file
+from diffrl.models.base import MODEL_DIR_FIX, ModelAdapter, PromptEmbeds
 
 ADAPTERS: dict[str, str] = {
     "StableDiffusion3Pipeline": "diffrl.models.sd3:SD3Adapter",
@@ -95,13 +95,13 @@ def read_model_index(path: str | Path) -> dict:
             "(diffrl never downloads weights)"
         )
     index_file = root / "model_index.json"
-    if not index_file.is_file():
+    if not index_file.exists():
         raise FileNotFoundError(
             f"{index_file} is missing: {str(path)!r} is not a diffusers pipeline directory "
             "(save one with pipeline.save_pretrained(dir))"
         )
-    index = json.loads(index_file.read_text())
-    if "_class_name" not in index:
+    index = read_json_file(index_file, f"model.path={str(path)!r}:", MODEL_DIR_FIX)
+    if not isinstance(index, dict) or "_class_name" not in index:
         raise ValueError(f"{index_file} has no _class_name: it is not a diffusers pipeline index")
     # Components are [library, class] pairs; [null, null] marks an optional component left out.
     missing = [

@@ -19,7 +19,6 @@ the adapter's compute dtype and its output is cast back to fp32.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
@@ -30,7 +29,13 @@ import torch
 from diffusers import DiffusionPipeline
 from tensordict import tensorclass
 
+from diffrl.files import read_json_file
 from diffrl.schedules import Schedule, flow_match_schedule
+
+#: The fix for a model directory whose files do not parse.
+MODEL_DIR_FIX = (
+    "the model directory is damaged: copy the model again, or save it with pipeline.save_pretrained(dir)"
+)
 
 
 @tensorclass
@@ -134,7 +139,7 @@ class ModelAdapter(ABC):
         dtypes = {"default": dtype, **cls.component_dtypes}
         # A component saved as [null, null] (the toy model's VAE and T5) must be passed as None
         # explicitly: diffusers refuses to load a pipeline with a required component missing.
-        index = json.loads((Path(path) / "model_index.json").read_text())
+        index = read_json_file(Path(path) / "model_index.json", "model index", MODEL_DIR_FIX)
         absent = {
             name: None
             for name, spec in index.items()

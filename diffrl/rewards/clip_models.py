@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffrl.files import check_regular
 from diffrl.rewards.base import auto_device, auto_dtype
 from diffrl.rewards.clip import check_clip_dirs
 
@@ -118,7 +119,7 @@ class AestheticHead(nn.Module):
         """Build the head with the sizes found in the file and load it strictly."""
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        state = load_file(str(check_regular(path, "aesthetic reward")))
         if set(state) != set(cls.KEYS):
             raise ValueError(
                 f"aesthetic reward: {path} has keys {sorted(state)}; expected the LAION aesthetic MLP's "

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
+from diffrl.files import check_output_dir
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout import TrajectorySampler
@@ -106,6 +107,7 @@ def generate(
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     lora_dir = check_lora_dir(lora) if lora is not None else None
+    check_output_dir(out_dir, "--out")
     if isinstance(model, ModelAdapter):
         adapter = model
     else:

@@ -130,6 +130,17 @@ class RunLogger:
         self.last_step = step
         return clean
 
+    def log_more(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """More metrics of a step whose record was already written (e.g. `timing_s/checkpoint`,
+        measured after the step's record had to be durable): a second record of the step in every
+        sink but the console, which printed the step's line already. `read_metrics` merges them."""
+        step = self._check_open(step)
+        clean = {key: _as_float(key, value) for key, value in metrics.items()}
+        for sink in self.sinks:
+            if not isinstance(sink, ConsoleSink):
+                sink.log(step, clean)
+        return clean
+
     def log_images(self, step: int, tag: str, image_HWC: torch.Tensor | np.ndarray) -> None:
         """A uint8 (H, W, 3) image (e.g. `image_grid(...)`) to TensorBoard and wandb under `tag`."""
         step = self._check_open(step)

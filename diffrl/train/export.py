@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from diffrl.files import check_output_dir
 from diffrl.train.distributed import barrier, rank
 
 
@@ -329,6 +330,9 @@ def export_run(
     from diffrl.train.engine import TrainEngine
 
     run_dir, checkpoint = resolve_run_checkpoint(target)
+    out = Path(out_dir)
+    check_output_dir(out, "--out")
+    check_output_dir(out.parent, "--out's parent (OUT.partial is written there, then renamed)")
     cfg = load_config(str(run_dir / "config.yaml"), job="eval")
     adapter = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
     options = worker_options(cfg)
@@ -349,7 +353,6 @@ def export_run(
         trainable_only=engine.lora,
         restore_rng=False,
     )
-    out = Path(out_dir)
     info = {
         "run": str(run_dir),
         "checkpoint": str(checkpoint),

@@ -68,9 +68,19 @@ ZYGOTE = textwrap.dedent(
             name = "_update"
         elif what == "save":  # the at-th metadata file of a checkpoint save (weights already written)
             owner, name = diffrl.train.checkpoint, "_write_durable"
+        elif what == "saved":  # right after the at-th checkpoint is published (TrainingLoop.save returned)
+            from diffrl.controller.loop import TrainingLoop as owner
+
+            name = "save"
         original = getattr(owner, name)
 
         def wrapped(*args, **kwargs):
+            if what == "saved":
+                result = original(*args, **kwargs)
+                calls[0] += 1
+                if calls[0] == at:
+                    die()
+                return result
             if what != "save" or str(args[0]).endswith("meta.json"):
                 calls[0] += 1
                 if calls[0] == at:
@@ -196,11 +206,30 @@ def test_kill_9_during_rollout_update_and_save_then_resume_matches_an_uninterrup
     assert zygote(killed) == 0, zygote.log.read_text()[-3000:]
     expected, got = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
     assert sorted(got) == [1, 2, 3, 4]
-    lines = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert lines == [1, 2, 3, 4]  # each step once, in order: nothing lost, nothing doubled
+    assert _steps_of_lines(run_dir) == [1, 2, 3, 4]  # each step once, in order: nothing lost, nothing doubled
     for step in (1, 2, 3, 4):
         assert comparable(got[step]) == pytest.approx(comparable(expected[step]), rel=1e-6, abs=1e-9), step
     assert time.monotonic() - start < 120
+
+
+def _steps_of_lines(run_dir: Path) -> list[int]:
+    """The steps of metrics.jsonl's lines, each step's records counted once (a step that saves a
+    checkpoint has a second record with the save's time, written after the checkpoint is published)."""
+    lines = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [step for i, step in enumerate(lines) if i == 0 or lines[i - 1] != step]
+
+
+def test_a_kill_between_publishing_a_checkpoint_and_logging_its_step_loses_no_step(zygote, tmp_path):
+    """Every step a checkpoint covers is in metrics.jsonl after a resume: the step's record is
+    written before its checkpoint is published, so a kill just after the publish loses nothing."""
+    train = ["train", *ARGS, "trainer.total_steps=3", f"trainer.output_dir={tmp_path}", "trainer.run_name=k"]
+    assert zygote(train, {"at": "saved", "call": 2}) == -9  # step 2's checkpoint published, then killed
+    run_dir = tmp_path / "k"
+    assert (run_dir / "checkpoints" / "step_00000002" / "complete").is_file()
+    assert zygote(train) == 0, zygote.log.read_text()[-3000:]
+    assert sorted(read_metrics(run_dir / "metrics.jsonl")) == [1, 2, 3]
+    assert _steps_of_lines(run_dir) == [1, 2, 3]
+    assert "rewards/mean" in read_metrics(run_dir / "metrics.jsonl")[2]
 
 
 def _tagged_processes(tag: str) -> list[int]:
@@ -382,8 +411,7 @@ def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupt
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
     assert zygote(killed) == 0, zygote.log.read_text()[-3000:]
     expected, got = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
-    lines = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert lines == [1, 2, 3, 4]
+    assert _steps_of_lines(run_dir) == [1, 2, 3, 4]
     # one step off from step 2 on, also in the resumed steps: step 4 trained on a batch step 3 sampled
     assert [got[step]["rollout/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 0, 1]
     for step in (1, 2, 3, 4):

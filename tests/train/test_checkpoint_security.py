@@ -331,3 +331,59 @@ def test_eval_of_a_damaged_checkpoint_exits_2_with_a_message(saved, tmp_path, ca
     err = capsys.readouterr().err
     assert "scheduler.json" in err and "damaged" in err and "Traceback" not in err
     assert not marker.exists()
+
+
+# A forged manifest vouches for these contents; each parses (or not) and does not fit what a load reads.
+FORGED_JSON = [
+    ("rng/rank_00000.json", None),  # a pickle payload: not JSON at all
+    ("optim.json", None),
+    ("extra.json", None),
+    ("scheduler.json", None),
+    ("rng/rank_00000.json", {"python": {"version": 3}, "numpy": {}, "torch": [1, 2]}),
+    ("rng/rank_00000.json", [1, 2, 3]),
+    ("optim.json", {"tensors": {"w": "exp_avg"}, "scalars": {}, "param_groups": [{}]}),
+    ("optim.json", {"tensors": {}, "scalars": {}, "param_groups": "all"}),
+    ("extra.json", {"step": 1000}),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "content"), FORGED_JSON, ids=[f"{n}-{i}" for i, (n, _) in enumerate(FORGED_JSON)]
+)
+def test_a_forged_checkpoint_whose_json_does_not_parse_or_fit_fails_verification(
+    saved, tmp_path, capsys, caplog, monkeypatch, name, content
+):
+    """Parse errors are verification failures: `verify_checkpoint` names the file (no model, no
+    worker), `trainer.resume=auto` falls back to the previous checkpoint, an explicit path and
+    `diffrl eval` of it exit 2; the payload never runs."""
+    import diffrl.controller.evaluate
+    import diffrl.controller.run as run_module
+
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    checkpoints = _copy(saved, run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(load_config("tiny_sd3", [f"trainer.output_dir={tmp_path}"])))
+    target = step_dir(checkpoints, 2)
+    marker = tmp_path / "payload_ran"
+    data = _payload_bytes(marker) if content is None else json.dumps(content).encode()
+    (target / name).write_bytes(data)
+    _forge_manifest(target, name)
+
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{name}.*damaged"):
+        checkpoint.verify_checkpoint(target)
+
+    with caplog.at_level(logging.WARNING, logger="diffrl.train.checkpoint"):
+        assert find_checkpoint(_cfg("auto"), run_dir) == step_dir(checkpoints, 1)
+    assert f"skipping checkpoint {target}" in caplog.text and name in caplog.text
+
+    def no_workers(cfg):
+        raise AssertionError("the workers started: the damage was found too late")
+
+    monkeypatch.setattr(run_module, "worker_session", no_workers)
+    monkeypatch.setattr(diffrl.controller.evaluate, "worker_session", no_workers)
+    train = ["train", "tiny_sd3", f"trainer.output_dir={tmp_path}", "trainer.run_name=run"]
+    assert main([*train, f"trainer.resume={target}"]) == 2
+    assert main(["eval", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count(name) >= 2 and "Traceback" not in err, err
+    assert not marker.exists()

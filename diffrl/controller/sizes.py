@@ -1,0 +1,105 @@
+"""Upper bounds of size-like settings, checked before any model loads or Ray starts.
+
+The schema checks each key's lower bound and type; what a key may not exceed depends on the
+model and the machine, so it is checked here, from the model's config files and the machine's
+memory, with the key named in a ConfigError (exit 2) and the largest value that fits:
+
+- `rollout.pipeline.num_inference_steps`, `rollout.val.num_inference_steps`: at most the
+  scheduler's `num_train_timesteps` (scheduler/scheduler_config.json): the model was trained on
+  that many noise levels, and the step schedule's arrays grow with the value (1e9 steps took the
+  whole machine's memory before);
+- `model.lora.rank`: at most the transformer's width (`num_attention_heads x attention_head_dim`):
+  a LoRA of higher rank than the layers it adapts adds memory, not capacity;
+- the images of one step (`data.prompts_per_step x rollout.n`) and of one validation
+  (validation prompts x `rollout.val.n`): their pixels and trajectory latents must fit the
+  machine's memory (`estimate_image_bytes`, a lower bound: a refusal means it cannot fit; passing
+  does not promise it will).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from diffrl.config.schema import Config, ConfigError
+from diffrl.models import resolve_model_path
+
+GIB = 1 << 30
+
+
+def machine_memory_bytes() -> int:
+    """The memory this process may use: the machine's physical memory, or the cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _config(root: Path, name: str) -> dict[str, Any]:
+    """A component's config (already parsed once by preflight's model file check), or {}."""
+    file = root / name
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def estimate_image_bytes(cfg: Config, vae: dict[str, Any]) -> int:
+    """Bytes one sampled image holds at least while its step runs: its uint8 pixels, and its
+    fp32 latents at every stored point of the SDE window (x_k..x_{k+W} and the W means)."""
+    pipe = cfg.rollout.pipeline
+    frames = max(1, pipe.num_frames)
+    pixels = 3 * pipe.height * pipe.width * frames
+    blocks = vae.get("block_out_channels")
+    factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
+    channels = vae.get("latent_channels") if isinstance(vae.get("latent_channels"), int) else 3
+    latent = 4 * channels * (pipe.height // factor) * (pipe.width // factor) * frames
+    window = cfg.rollout.sde.window_size or 1  # null: the window range, at least one step
+    return pixels + latent * (2 * window + 1)
+
+
+def check_sizes(cfg: Config, validation_prompts: int) -> None:
+    """Every bound of the module docstring; raises ConfigError naming the key and the fix."""
+    root = resolve_model_path(cfg.model.path)
+    scheduler = _config(root, "scheduler/scheduler_config.json")
+    transformer = _config(root, "transformer/config.json")
+    trained = scheduler.get("num_train_timesteps")
+    if isinstance(trained, int) and trained > 0:
+        for key, value in (
+            ("rollout.pipeline.num_inference_steps", cfg.rollout.pipeline.num_inference_steps),
+            ("rollout.val.num_inference_steps", cfg.rollout.val.num_inference_steps),
+        ):
+            if value is not None and value > trained:
+                raise ConfigError(
+                    f"{key}={value} is more than the {trained} noise levels the model was trained on "
+                    f"(num_train_timesteps in {root / 'scheduler' / 'scheduler_config.json'}): set {key} <= {trained}"
+                )
+    heads, head_dim = transformer.get("num_attention_heads"), transformer.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(head_dim, int) and cfg.model.lora.rank > heads * head_dim:
+        raise ConfigError(
+            f"model.lora.rank={cfg.model.lora.rank} is more than the transformer's width {heads * head_dim} "
+            f"(num_attention_heads {heads} x attention_head_dim {head_dim}): a higher rank adds memory, not "
+            f"capacity; set model.lora.rank <= {heads * head_dim}"
+        )
+    per_image = estimate_image_bytes(cfg, _config(root, "vae/config.json"))
+    memory = machine_memory_bytes()
+    step_images = cfg.data.prompts_per_step * cfg.rollout.n
+    if step_images * per_image > memory:
+        fits = max(1, memory // (per_image * cfg.rollout.n))
+        raise ConfigError(
+            f"data.prompts_per_step={cfg.data.prompts_per_step} x rollout.n={cfg.rollout.n} = {step_images} images "
+            f"per step need at least {step_images * per_image / GIB:.1f} GiB ({per_image} bytes each: pixels and "
+            f"the SDE window's latents), more than this machine's {memory / GIB:.1f} GiB: set "
+            f"data.prompts_per_step <= {fits} (or lower rollout.n)"
+        )
+    val_images = validation_prompts * cfg.rollout.val.n
+    if val_images * per_image > memory:
+        raise ConfigError(
+            f"rollout.val.n={cfg.rollout.val.n} x {validation_prompts} validation prompts = {val_images} images need "
+            f"at least {val_images * per_image / GIB:.1f} GiB, more than this machine's {memory / GIB:.1f} GiB: "
+            f"set rollout.val.n <= {max(1, memory // (per_image * max(1, validation_prompts)))}"
+        )

@@ -1,0 +1,364 @@
+"""What a checkpoint folder holds and how it is checked before anything in it is used.
+
+The layout's names (`diffrl.train.checkpoint` describes the files), the manifest and its
+`complete` marker, `verify_checkpoint` (every file listed, sized and hashed as the manifest says,
+every safetensors header readable, every JSON file parsed and of the shape a load reads) and
+`latest_checkpoint` (the newest checkpoint that verifies). `diffrl.train.checkpoint` writes and
+loads checkpoints and re-exports these names.
+
+A parse error is a verification failure: a file that hashes right because its manifest was
+forged too, but does not parse or does not fit, fails here, in the driver, before any worker
+starts, where `trainer.resume=auto` falls back to the previous checkpoint and an explicit path is
+a `CheckpointError` (a ValueError: exit 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
+from diffrl.train.distributed import rank as process_rank
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+COMPLETE_MARKER = "complete"
+MANIFEST = "manifest.json"
+MODEL_DIR, OPTIM_DIR, RNG_DIR = "model", "optim", "rng"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# Every file a checkpoint may hold besides the manifest and the marker. Anything else (a `.pt`,
+# DCP's `.metadata`, a `.pkl`) was not written by save_checkpoint and is refused, not ignored.
+_ALLOWED_FILE = re.compile(
+    r"^(meta\.json|extra\.json|optim\.json|scheduler\.json|rng/rank_\d{5}\.json"
+    r"|(model|optim)/shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors)$"
+)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_FIX = (
+    "this checkpoint is damaged or was not written by diffrl: load another one (trainer.resume=auto skips "
+    "damaged checkpoints and takes the newest intact one), or delete it"
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded: damaged, altered, incomplete or of an unsafe old format."""
+
+
+def _read_json(path: Path, name: str) -> Any:
+    """A checkpoint's JSON file (already checksummed); a malformed one is a CheckpointError naming it."""
+    try:
+        return json.loads((path / name).read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {name} is not valid JSON ({err}); {_FIX}") from err
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """`<root>/step_<step:08d>`: the name sorts by step as text too."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """This rank's part of `names` (sorted) when the ranks split hashing work round-robin."""
+    return sorted(names)[process_rank() :: world_size()]
+
+
+# ---------------------------------------------------------------------------------- RNG
+def _parse_rng_state(state: Any, source: Path) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
+    """(python, numpy, torch, cuda or None) RNG states of a checkpoint's rng/rank_<r>.json, each of
+    the type its setter takes; anything else is a CheckpointError (part of `verify_checkpoint`)."""
+    try:
+        python, numpy = state["python"], state["numpy"]
+        python_state = (int(python["version"]), tuple(int(v) for v in python["internal"]), python["gauss"])
+        numpy_state = (
+            str(numpy["kind"]),
+            np.asarray(numpy["keys"], dtype=np.int64).astype(np.uint32),
+            int(numpy["pos"]),
+            int(numpy["has_gauss"]),
+            float(numpy["gauss"]),
+        )
+        torch_state = torch.tensor(state["torch"], dtype=torch.uint8)
+        cuda_state = torch.tensor(state["cuda"], dtype=torch.uint8) if "cuda" in state else None
+        # what the setters would refuse, found without touching this process's generators
+        random.Random().setstate(python_state)
+        np.random.RandomState().set_state(numpy_state)
+        torch.Generator().set_state(torch_state)
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise CheckpointError(
+            f"{source} is not a valid RNG state ({type(err).__name__}: {err}); {_FIX}"
+        ) from err
+    return python_state, numpy_state, torch_state, cuda_state
+
+
+# ---------------------------------------------------------------------------------- verify
+def _is_legacy(path: Path) -> bool:
+    """A checkpoint of format 1 (torch.distributed.checkpoint): recognised by names only, never read."""
+    if (path / MANIFEST).exists():
+        return False
+    return (path / ".metadata").exists() or any(path.glob("*.distcp"))
+
+
+def _refuse_legacy(path: Path) -> None:
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was written by an older diffrl (format 1, torch.distributed.checkpoint): "
+        "loading it unpickles its .metadata file, which can run arbitrary code, so this diffrl refuses to read "
+        "it. Re-train (the run's config.yaml reproduces it), or, only if you trust where the files came from, "
+        "export its weights with the diffrl version that wrote it (diffrl export RUN --out DIR) and start from "
+        "that export"
+    )
+
+
+def _walk_entries(path: Path) -> tuple[list[str], list[str]]:
+    """(files, anomalies) under `path`: files as relative paths; symlinks and special files as anomalies."""
+    files, anomalies = [], []
+    for dirpath, dirnames, filenames in os.walk(path):
+        base = Path(dirpath)
+        for name in list(dirnames):
+            if (base / name).is_symlink():
+                anomalies.append(f"{(base / name).relative_to(path).as_posix()} (a symlink)")
+                dirnames.remove(name)
+        for name in filenames:
+            entry = base / name
+            relative = entry.relative_to(path).as_posix()
+            if entry.is_symlink() or not entry.is_file():
+                anomalies.append(f"{relative} (a symlink or special file)")
+            else:
+                files.append(relative)
+    return sorted(files), anomalies
+
+
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's file table, after checking that the `complete` marker vouches for it."""
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no {MANIFEST}; {_FIX}")
+    manifest_bytes = (path / MANIFEST).read_bytes()
+    marker = (path / COMPLETE_MARKER).read_bytes().strip()
+    if marker != hashlib.sha256(manifest_bytes).hexdigest().encode():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {MANIFEST} does not match the sha256 in the {COMPLETE_MARKER!r} marker "
+            f"(one of them is truncated or altered); {_FIX}"
+        )
+    manifest = _read_json(path, MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {MANIFEST} is not a format-{FORMAT_VERSION} manifest; {_FIX}"
+        )
+    for name, entry in files.items():
+        if not _ALLOWED_FILE.match(name):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: {MANIFEST} lists {name!r}, which is not a file diffrl writes "
+                f"(checkpoints hold only JSON and safetensors files); {_FIX}"
+            )
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256.match(entry["sha256"])
+        ):
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} entry {name!r} is malformed; {_FIX}")
+    return files
+
+
+def _hash_problems(path: Path, files: dict[str, dict[str, Any]], names: list[str]) -> dict[str, str]:
+    """{file: what is wrong} for the `names` whose content is not what the manifest says."""
+    problems = {}
+    for name in names:
+        if _sha256(path / name) != files[name]["sha256"]:
+            problems[name] = "its sha256 differs from the manifest's (the content was altered)"
+        elif name.endswith(".safetensors"):
+            try:  # the header only: a file that hashes right but does not parse was forged with its manifest
+                with safe_open(str(path / name), framework="pt") as f:
+                    f.keys()
+            except Exception as err:  # safetensors raises its own error types
+                problems[name] = f"it is not a valid safetensors file ({err})"
+    return problems
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check a checkpoint directory against its manifest and return its meta.json; nothing is unpickled.
+
+    Raises FileNotFoundError for a missing path and `CheckpointError` (a ValueError) naming the
+    file and the fix when the checkpoint is incomplete, of the unsafe old format, or differs from
+    its manifest in any way: a file missing, extra (e.g. a planted `.pt` or `.metadata`), truncated
+    or altered. Under a process group call it on every rank: the ranks hash a share each.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} does not exist: pass a step_XXXXXXXX directory written by "
+            "save_checkpoint (latest_checkpoint(root) finds the newest)"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a file: pass a step_XXXXXXXX directory")
+    if _is_legacy(path):
+        _refuse_legacy(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        if _complete_checkpoints(path):
+            raise CheckpointError(
+                f"{str(path)!r} is a checkpoint root, not a checkpoint: pass one of its step_XXXXXXXX "
+                f"directories, e.g. latest_checkpoint(root) = {_latest_quietly(path)}"
+            )
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete (no {COMPLETE_MARKER!r} marker: its save was interrupted "
+            f"or it was not written by save_checkpoint); load a complete one instead, e.g. the newest in "
+            f"{str(path.parent)!r}: {_latest_quietly(path.parent)}"
+        )
+    files = _read_manifest(path)
+    on_disk, anomalies = _walk_entries(path)
+    on_disk = [name for name in on_disk if name not in (MANIFEST, COMPLETE_MARKER)]
+    extra_files = sorted(set(on_disk) - set(files)) + anomalies
+    if extra_files:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds file(s) its manifest does not list: {extra_files}. diffrl "
+            "checkpoints hold only JSON and safetensors files and never unpickle anything; a .pt, .pkl or "
+            f".metadata file there was not written by save_checkpoint. Delete the file(s) if you know where "
+            f"they came from; otherwise {_FIX}"
+        )
+    for name in sorted(files):
+        if name not in on_disk:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is missing {name!r} (listed in its manifest); {_FIX}"
+            )
+        size = (path / name).stat().st_size
+        if size != files[name]["size"]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: {name!r} has {size} bytes, its manifest says {files[name]['size']} "
+                f"(truncated or altered); {_FIX}"
+            )
+    problems = _hash_problems(path, files, _my_share(list(files)))
+    if is_distributed():  # every rank must raise the same error, or the others would wait for it
+        flags = all_reduce_mean({name: float(name in problems) for name in files})
+        problems = {
+            name: problems.get(name, "another rank found its sha256 or header wrong")
+            for name, flag in flags.items()
+            if flag > 0
+        }
+    if problems:
+        listed = "; ".join(f"{name!r}: {why}" for name, why in sorted(problems.items()))
+        raise CheckpointError(f"checkpoint {str(path)!r} failed verification: {listed}; {_FIX}")
+
+    meta = _read_json(path, "meta.json")
+    required = (
+        "format_version",
+        "trainable_only",
+        "adapters",
+        "has_optimizer_state",
+        "has_scheduler",
+        "world_size",
+    )
+    if not isinstance(meta, dict) or any(key not in meta for key in required):
+        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json lacks some of {list(required)}; {_FIX}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {meta['format_version']}; this diffrl reads "
+            f"version {FORMAT_VERSION}"
+        )
+    for name in sorted(files):
+        if name.endswith(".json") and name != "meta.json":
+            problem = _json_problem(path, name, _read_json(path, name), meta)
+            if problem:
+                raise CheckpointError(f"checkpoint {str(path)!r}: {name} {problem}; {_FIX}")
+    return meta
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _json_problem(path: Path, name: str, value: Any, meta: dict[str, Any]) -> str | None:
+    """What is wrong with the parsed JSON file `name` of a checkpoint, or None: its shape is what a
+    load reads, so a file that hashes right (a forged manifest) but would fail the load fails the
+    verification instead, where `trainer.resume=auto` falls back and an explicit path exits 2."""
+    if not isinstance(value, dict):
+        return f"is not a JSON object but a {type(value).__name__}"
+    if name == "extra.json":
+        step = value.get("step", meta.get("step"))
+        if "step" in meta and (isinstance(step, bool) or step != meta["step"]):
+            return f"says step {step!r}, its meta.json step {meta['step']!r}"
+    elif name == "optim.json":
+        tensors, scalars, groups = value.get("tensors"), value.get("scalars"), value.get("param_groups")
+        if not (isinstance(tensors, dict) and all(_is_str_list(keys) for keys in tensors.values())):
+            return "has no valid 'tensors' table ({parameter: [state keys]})"
+        if not (isinstance(scalars, dict) and all(isinstance(v, dict) for v in scalars.values())):
+            return "has no valid 'scalars' table ({parameter: {key: number}})"
+        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
+            return "has no valid 'param_groups' list"
+    elif name.startswith(f"{RNG_DIR}/"):
+        try:
+            _parse_rng_state(value, path / name)
+        except CheckpointError as err:
+            return f"is not a valid RNG state ({err.__cause__})"
+    return None
+
+
+# ---------------------------------------------------------------------------------- find
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the step directories under `root` that have a `complete` marker, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _latest_quietly(root: Path) -> Path | None:
+    """For hints inside error messages: the newest checkpoint that verifies, without warnings or errors."""
+    for _, path in reversed(_complete_checkpoints(root)):
+        with contextlib.suppress(ValueError, OSError):
+            verify_checkpoint(path)
+            return path
+    return None
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint under `root` that verifies (see `verify_checkpoint`), or None when there is none.
+
+    A checkpoint that fails verification (damaged, altered, of the unsafe old format) is skipped
+    with a warning naming it and why, and the next older one is tried. Temporary directories of
+    interrupted saves and step directories without the `complete` marker are not checkpoints.
+    A missing `root` is a run that has not saved yet: None. When checkpoints exist but none
+    verifies, this raises a CheckpointError listing them: starting over silently would lose the run.
+
+    Call it in one process (the driver), not under a process group: it hashes every file itself.
+    """
+    candidates = _complete_checkpoints(Path(root))
+    skipped = []
+    for _, path in reversed(candidates):
+        try:
+            verify_checkpoint(path)
+        except (ValueError, OSError) as err:
+            log.warning("skipping checkpoint %s: %s", path, err)
+            skipped.append(f"{path.name}: {err}")
+            continue
+        if skipped:
+            log.warning("using checkpoint %s (skipped %d newer damaged one(s))", path, len(skipped))
+        return path
+    if skipped:
+        raise CheckpointError(
+            f"no checkpoint in {str(root)!r} verifies: "
+            + " | ".join(skipped)
+            + ". Resume from a copy you trust (trainer.resume=PATH), or start a new run (another trainer.run_name)"
+        )
+    return None

@@ -1,0 +1,316 @@
+"""Hostile inputs, second round (issue 32): a FIFO or device where a file belongs, a model directory
+whose JSON does not parse, an output place that cannot be written, sizes beyond what the machine
+holds. Each is an exit 2 at once, naming the path or key, before any worker starts; no run folder.
+
+The commands run in a thread with a deadline, so one that blocks (the old behaviour on a FIFO)
+fails the test instead of hanging it; the FIFO is then given a writer that closes, to end the wait.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from diffrl.cli import main
+from diffrl.controller import run as run_module
+
+FAST = [
+    "trainer.total_steps=1",
+    "trainer.save_freq=1",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+]
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    def refuse(cfg):
+        raise AssertionError("the workers started: the error was found too late")
+
+    monkeypatch.setattr(run_module, "worker_session", refuse)
+
+
+def _unblock(fifos):
+    for fifo in fifos:
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader sees end of file
+
+
+def exit_code(argv, fifos=(), deadline=DEADLINE_S):
+    """`diffrl <argv>`'s exit status, failing the test if it has not ended within `deadline`."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(code=main(argv)), daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if thread.is_alive():
+        for _ in range(100):
+            _unblock(fifos)
+            thread.join(0.1)
+            if not thread.is_alive():
+                break
+        pytest.fail(f"diffrl {' '.join(map(str, argv))} was still running after {deadline:g} s (blocked)")
+    return result["code"]
+
+
+def train_refused(tmp_path, capsys, *overrides, source="tiny_sd3", fifos=()):
+    argv = [
+        "train",
+        source,
+        f"trainer.output_dir={tmp_path / 'out'}",
+        "trainer.run_name=r",
+        *FAST,
+        *overrides,
+    ]
+    assert exit_code(argv, fifos) == 2
+    assert not (tmp_path / "out" / "r").exists()
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- (3) non-regular files
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "where", ["train_txt", "train_jsonl", "val_parquet", "dev_zero", "config", "index", "component"]
+)
+def test_a_fifo_or_device_where_a_file_belongs_is_refused_at_once(
+    tmp_path, capsys, tiny_model, no_workers, where
+):
+    overrides, source = [], "tiny_sd3"
+    if where in ("train_txt", "train_jsonl", "val_parquet"):
+        named = _fifo(
+            tmp_path / {"train_txt": "p.txt", "train_jsonl": "p.jsonl", "val_parquet": "p.parquet"}[where]
+        )
+        key = "data.val_files" if where.startswith("val") else "data.train_files"
+        overrides, kind = [f"{key}=[{named}]"], "a FIFO (named pipe)"
+    elif where == "dev_zero":
+        named = tmp_path / "zero.txt"
+        named.symlink_to("/dev/zero")  # endless, a read never ends
+        overrides, kind = [f"data.train_files=[{named}]"], "a character device"
+    elif where == "config":
+        named, kind = _fifo(tmp_path / "run.yaml"), "a FIFO (named pipe)"
+        source = str(named)
+    else:
+        model = tmp_path / "model"
+        shutil.copytree(tiny_model("sd3"), model)
+        named = model / ("model_index.json" if where == "index" else "scheduler/scheduler_config.json")
+        named.unlink()
+        _fifo(named)
+        overrides, kind = [f"model.path={model}"], "a FIFO (named pipe)"
+    err = train_refused(tmp_path, capsys, *overrides, source=source, fifos=[named])
+    assert f"{named} is {kind}, not a regular file" in err, err
+
+
+def test_sample_prompts_file_fifo_is_refused_at_once(tmp_path, capsys, tiny_model):
+    fifo = _fifo(tmp_path / "prompts.txt")
+    argv = [
+        "sample",
+        "--model",
+        str(tiny_model("sd3")),
+        "--prompts-file",
+        str(fifo),
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    assert exit_code(argv, [fifo]) == 2
+    assert f"{fifo} is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- (4) broken model JSON
+@pytest.mark.parametrize(
+    "name",
+    ["model_index.json", "transformer/config.json", "scheduler/scheduler_config.json", "vae/config.json"],
+)
+def test_a_model_json_that_does_not_parse_is_named_with_what_is_wrong(
+    tmp_path, capsys, tiny_model, no_workers, name
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("sd3"), model)
+    broken = model / name
+    text = broken.read_text()
+    cut = text.index(",")  # drop the first comma: "Expecting ',' delimiter"
+    broken.write_text(text[:cut] + text[cut + 1 :])
+    with pytest.raises(json.JSONDecodeError) as parser:
+        json.loads(broken.read_text())
+    err = train_refused(tmp_path, capsys, f"model.path={model}")
+    where = f"line {parser.value.lineno} column {parser.value.colno}"
+    assert f"{broken} is not valid JSON: {parser.value.msg} at {where}" in err, err
+    assert "the model directory is damaged" in err
+
+
+# ------------------------------------------------------------------- (5) unwritable outputs
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only file system (a tmpfs mounted ro): root may write anywhere else, so chmod won't do."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    yield ro
+    subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished")
+    env = pytest.MonkeyPatch()
+    env.setenv("DIFFRL_CACHE", str(tmp_path_factory.getbasetemp() / "run_errors_cache"))
+    assert main(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=done", *FAST]) == 0
+    yield out / "done"
+    env.undo()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch, no_workers):
+    import diffrl.controller.evaluate
+    import diffrl.models
+    import diffrl.rollout.generate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model loaded: the unwritable output was found too late")
+
+    monkeypatch.setattr(diffrl.models, "load_model", refuse)
+    monkeypatch.setattr(diffrl.rollout.generate, "load_model", refuse)
+    monkeypatch.setattr(diffrl.controller.evaluate, "worker_session", refuse)
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "export", "eval", "sample"])
+@pytest.mark.parametrize("place", ["read_only", "a_file", "under_a_file"])
+def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
+    tmp_path, capsys, read_only_dir, finished_run, tiny_model, no_model_loads, command, place
+):
+    blocker = tmp_path / "taken"
+    blocker.write_text("keep me")
+    out = {"read_only": read_only_dir / "out", "a_file": blocker, "under_a_file": blocker / "out"}[place]
+    argv = {
+        "train": ["train", "tiny_sd3", f"trainer.output_dir={out}", *FAST],
+        "sft": ["sft", "shapes_sft", f"trainer.output_dir={out}", "trainer.total_steps=1"],
+        "export": ["export", str(finished_run), "--out", str(out)],
+        "eval": ["eval", str(finished_run), "--out", str(out)],
+        "sample": ["sample", "--model", str(tiny_model("sd3")), "--prompt", "a cat", "--out", str(out)],
+    }[command]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    key = "trainer.output_dir=" if command in ("train", "sft") else "--out "
+    why = {
+        "read_only": "cannot be written: making a file in",
+        "a_file": "is a file, not a folder",
+        "under_a_file": f"lies under {blocker}, which is a file",
+    }[place]
+    assert f"{key}{str(out)!r} {why}" in err, err
+    if place == "read_only":
+        assert "Read-only file system" in err
+    assert blocker.read_text() == "keep me"
+
+
+# ------------------------------------------------------------------- (2) sizes without a bound
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "rollout.pipeline.num_inference_steps=1000000000",
+            "rollout.pipeline.num_inference_steps=1000000000 is more than the 1000 noise levels",
+        ),
+        (
+            "rollout.val.num_inference_steps=1001",
+            "rollout.val.num_inference_steps=1001 is more than the 1000 noise levels",
+        ),
+        (
+            "data.prompts_per_step=1000000000",
+            "data.prompts_per_step=1000000000 x rollout.n=4 = 4000000000 images per step",
+        ),
+        ("rollout.val.n=1000000000", "rollout.val.n=1000000000 x "),
+        ("model.lora.rank=1000000", "model.lora.rank=1000000 is more than the transformer's width 32"),
+    ],
+)
+def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
+    tmp_path, capsys, no_workers, override, message
+):
+    """The bound comes from the model's files (1000 timesteps, width 4 x 8 in tiny:sd3's configs)
+    or the machine's memory (`os.sysconf`): a billion of anything is refused within the deadline,
+    before any worker starts (it used to take the machine's memory, or spin, until killed)."""
+    err = train_refused(tmp_path, capsys, override, "trainer.test_freq=1")
+    assert message in err, err
+    if "images" in message:
+        assert "GiB" in err and "more than this machine's" in err
+
+
+# ------------------------------------------------------------------- (6) a full disk
+@pytest.fixture
+def full_disk(tmp_path):
+    """A tiny tmpfs filled up to its last block."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+        while True:
+            filler.write(b"x" * 4096)
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_fresh_run_on_a_full_disk_says_so_and_leaves_no_folder(tmp_path, capsys, full_disk, no_workers):
+    out = full_disk / "runs"
+    assert exit_code(["train", "tiny_sd3", f"trainer.output_dir={out}", "trainer.run_name=r", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "the disk is full (No space left on device)" in err and "Traceback" not in err, err
+    assert not (out / "r").exists(), sorted(p.name for p in (out / "r").iterdir())
+
+
+def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_temporary_folder(
+    tmp_path, capsys, monkeypatch
+):
+    import errno
+
+    import diffrl.train.checkpoint as checkpoint
+
+    write, calls = checkpoint._write_durable, []
+
+    def fills_up(path, data):  # the disk fills while the second checkpoint's metadata is written
+        if str(path).endswith("meta.json"):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write(path, data)
+
+    monkeypatch.setattr(checkpoint, "_write_durable", fills_up)
+    argv = [
+        "train",
+        "tiny_sd3",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=r",
+        *FAST,
+        "trainer.total_steps=2",
+    ]
+    assert exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert (
+        "the disk is full (No space left on device) writing" in captured.err
+        and "Traceback" not in captured.err
+    )
+    assert "no steps logged" not in captured.out
+    run = tmp_path / "r"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]  # no .tmp-step_*
+    from diffrl.telemetry import read_metrics
+
+    assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]  # the trained step is logged
