@@ -111,8 +111,9 @@ def build_model(path: Path, tiny: bool, device: str) -> None:
 
 
 def run_recipe(name: str, gpus: int, model: Path, out: Path, args: argparse.Namespace) -> dict:
-    from diffrl.controller.run import train
     from omegaconf import OmegaConf
+
+    from diffrl.controller.run import train
 
     total = args.warmup + args.steps
     prompts, mini_batch = PER_GPU_BATCH[name]
