@@ -54,10 +54,12 @@ def spawn_with_deadlines(
             )
 
 
-def join_gloo(rank: int, world: int, port: int, out_dir: str | Path, timeout_s: float) -> None:
+def join_gloo(
+    rank: int, world: int, port: int, out_dir: str | Path, timeout_s: float, backend: str = "gloo"
+) -> None:
     """In a spawned worker: what a launcher sets (rank, world size, loopback rendezvous), one
-    thread, the gloo process group with `timeout_s` on its collectives, then the `joined<rank>`
-    file that starts `spawn_with_deadlines`' run deadline."""
+    thread, the process group (gloo, or `backend`) with `timeout_s` on its collectives, then the
+    `joined<rank>` file that starts `spawn_with_deadlines`' run deadline."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -66,5 +68,5 @@ def join_gloo(rank: int, world: int, port: int, out_dir: str | Path, timeout_s: 
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    distributed.init_distributed("gloo", timeout=timedelta(seconds=timeout_s))
+    distributed.init_distributed(backend, timeout=timedelta(seconds=timeout_s))
     Path(out_dir, f"joined{rank}").touch()
