@@ -38,6 +38,7 @@ from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, Pol
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.files import atomic_write_text, write_json
 from diffrl.models import read_model_index, resolve_model_path
+from diffrl.models.sampling import ImageGeometry
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
@@ -112,56 +113,17 @@ def check_model_files(path: str, index: dict) -> None:
                 ) from None
 
 
-def _read_json(file: Path) -> dict | None:
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err}): the model directory is damaged") from None
-    return data if isinstance(data, dict) else None
-
-
 def check_image_size(cfg: Config) -> None:
-    """rollout.pipeline.height/width against what the model's config files allow, before it loads.
-
-    From the configs: the VAE's downsampling (2^(levels-1) for `block_out_channels`, 2^len for
-    video VAEs' `temperal_downsample`; 1 without a VAE) times the transformer's `patch_size` is the
-    multiple a side must be, and `pos_embed_max_size` patches bound it. Adapters check again,
-    exactly, once loaded (a family that packs latents further says so then)."""
-    root = resolve_model_path(cfg.model.path)
-    vae, transformer = (
-        _read_json(root / "vae" / "config.json"),
-        _read_json(root / "transformer" / "config.json"),
-    )
-    if transformer is None:
-        return
-    if vae is None:
-        factor = 1 if not (root / "vae").exists() else None
-    elif isinstance(vae.get("block_out_channels"), list):
-        factor = 2 ** (len(vae["block_out_channels"]) - 1)
-    elif isinstance(vae.get("temperal_downsample"), list):
-        factor = 2 ** len(vae["temperal_downsample"])
-    else:
-        factor = None
-    patch = transformer.get("patch_size") or 1
-    patch = patch[-1] if isinstance(patch, list) else patch
-    if factor is None or not isinstance(patch, int):
-        return
-    multiple = factor * patch
-    largest = transformer.get("pos_embed_max_size")
-    largest = largest * multiple if isinstance(largest, int) else None
+    """rollout.pipeline.height/width against what the model's config files allow, before it loads
+    (`ImageGeometry`: VAE factor x patch size, at most pos_embed_max_size patches). Adapters check
+    again, exactly, once loaded (a family that packs latents further says so then)."""
+    geometry = ImageGeometry.read(resolve_model_path(cfg.model.path))
     pipe = cfg.rollout.pipeline
     for key, value in (("height", pipe.height), ("width", pipe.width)):
-        if value % multiple or (largest is not None and value > largest):
-            nearest = max(multiple, round(value / multiple) * multiple)
-            if largest is not None:
-                nearest = min(nearest, largest)
-            limit = f" and at most {largest}" if largest is not None else ""
+        if (problem := geometry.problem(value)) is not None:
             raise ConfigError(
-                f"rollout.pipeline.{key}={value} does not fit the model {cfg.model.path!r}: it takes sides "
-                f"that are multiples of {multiple} (VAE factor {factor} x patch {patch}){limit}: set "
-                f"rollout.pipeline.{key}={nearest}"
+                f"rollout.pipeline.{key}={value} does not fit the model {cfg.model.path!r}: {problem}: set "
+                f"rollout.pipeline.{key}={geometry.nearest(value)}"
             )
 
 
