@@ -18,6 +18,7 @@ LoRA merged in), loadable as `model.path` by `diffrl train`, `diffrl sample` or 
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from diffrl.controller.run import job, preflight_common, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
 from diffrl.files import write_json
+from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.workers.roles import ImageShard
 
@@ -209,8 +211,14 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
         )
         summary = run_loop(trainer, j.checkpoint)
         summary["model"] = j.workers.call("export_pipeline", str(j.run_dir / "model"))[0]
+        grammar = "shapes" if cfg.sft.images == "shapes" else None  # trained on the shapes world's prompts
+        write_sampling_file(Path(summary["model"]), settings_of_run(cfg.rollout, grammar))
         write_json(j.run_dir / "summary.json", summary)
-    print(f"model written to {summary['model']}")
+    model, prompt = str(summary["model"]), EXAMPLE_PROMPTS[grammar]
+    command = shlex.join(
+        ["diffrl", "sample", "--model", model, "--prompt", prompt, "--out", str(j.run_dir / "samples")]
+    )
+    print(f"model written to {summary['model']}\n  sample from it: {command}")
     return j.run_dir
 
 

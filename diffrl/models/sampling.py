@@ -33,6 +33,11 @@ GENERIC: dict[str, Any] = {
 }
 #: Optional extra key: the grammar every prompt must follow ("shapes": the shapes world's).
 PROMPT_GRAMMARS = ("shapes",)
+#: The prompt of the `diffrl sample` commands diffrl prints, per grammar (None: no grammar).
+EXAMPLE_PROMPTS: dict[str | None, str] = {
+    "shapes": "a red circle and a blue square",
+    None: "a photo of a cat",
+}
 KEYS = (*GENERIC, "prompt_grammar")
 
 

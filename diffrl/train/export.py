@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from diffrl.models.sampling import read_sampling_file, settings_of_run, write_sampling_file
+from diffrl.models.sampling import EXAMPLE_PROMPTS, read_sampling_file, settings_of_run, write_sampling_file
 from diffrl.train.distributed import barrier, rank
 
 
@@ -321,9 +321,7 @@ def _prompt_grammar(model_path: str) -> str | None:
 
 
 def _example_prompt(model_path: str) -> str:
-    if _prompt_grammar(model_path) == "shapes":
-        return "a red circle and a blue square"
-    return "a photo of a cat"
+    return EXAMPLE_PROMPTS[_prompt_grammar(model_path)]
 
 
 def resolve_run_checkpoint(target: str | Path) -> tuple[Path, Path]:
