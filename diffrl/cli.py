@@ -18,7 +18,7 @@ examples:
   diffrl presets                                   list the built-in presets
   diffrl config                                    the default preset, fully resolved
   diffrl config default rollout.sde.noise_level=0.8 actor.optim.lr=1e-4
-  diffrl config my_run.yaml trainer.total_steps=10 a YAML file of overrides instead of a preset
+  diffrl config my_run.yaml trainer.total_steps=10 a YAML file (`base: default` + the keys it changes)
   diffrl eval runs/default-20261122-101500         held-out accuracy of a run's newest checkpoint
   diffrl sft                                       pretrain the shapes world's toy model
   diffrl export runs/default-20261122-101500 --out my_lora   the trained LoRA, diffusers format

@@ -3,6 +3,8 @@
 A preset or file may start from another one with a top-level `base: <preset or path>` key (a
 path relative to the file naming it): the base is merged first, then the file's own keys, so a
 variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: default_20_steps` plus its loss).
+A file without `base:` starts from the schema's defaults, which name no model: a user's file that
+leaves model.path empty that way is refused at once, saying to add `base: default`.
 
 Mappings of named entries (`reward.functions`, each reward's `args`: every `dict[str, ...]` of the
 schema) merge entry by entry like everything else, and two more operations let a layer take entries
@@ -84,6 +86,12 @@ def load_config(source: str | None = None, overrides: Sequence[str] = (), job: s
             merged = _apply_layer(merged, layer)
         except OmegaConfBaseException as err:
             raise ConfigError(f"{layer.where}: {_explain(err)}") from None
+    if not merged.model.path and path.parent != PRESETS_DIR and "base" not in _read_yaml(path).values:
+        raise ConfigError(
+            f"{path} names no `base:`, so it starts from the schema's defaults, which name no model "
+            "(model.path is empty): add the line `base: default` to make it a change of the default job "
+            "(or name another preset: `diffrl presets`), or set model.path"
+        )
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, Config)
     return cfg.validate(job)
