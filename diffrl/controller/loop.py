@@ -22,10 +22,11 @@ that batch exactly as the uninterrupted run did, with the checkpoint's weights.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from diffrl.config.schema import Config
 from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
@@ -79,6 +80,8 @@ class TrainingLoop:
         self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
         self.resume_sync_metrics: dict[str, float] = {}
+        # this start's record for summary.json (`run_stats`)
+        self.wall_s, self.steps_this_start, self.peaks = 0.0, 0, {}
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -130,10 +133,23 @@ class TrainingLoop:
         save_freq = self.cfg.trainer.save_freq
         return step == self.cfg.trainer.total_steps or bool(save_freq and step % save_freq == 0)
 
+    #: Metrics whose largest value over the run goes into summary.json (as peak_<name>_gb).
+    PEAKS: ClassVar[dict[str, str]] = {
+        "rss": "perf/max_rss_gb",
+        "cuda_allocated": "perf/max_memory_allocated_gb",
+    }
+
+    @property
+    def images_per_step(self) -> int:
+        """Images a training step samples (prompts x samples per prompt)."""
+        return self.cfg.images_per_step
+
     def fit(self) -> dict[str, float]:
-        """Run the remaining steps; returns the last validation's metrics."""
+        """Run the remaining steps; returns the last validation's metrics. Records, for
+        summary.json, this start's wall time, steps and peak memory (`run_stats`)."""
         cfg = self.cfg.trainer
         last_val: dict[str, float] = {}
+        started = time.perf_counter()
         if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
             last_val = self.validate()
             self.logger.log(0, last_val)
@@ -155,7 +171,26 @@ class TrainingLoop:
                     self.save()
             metrics.update(self.timer.metrics(0, 1, only=("validation", "checkpoint")))
             self.logger.log(self.step, metrics)
+            self.steps_this_start += 1
+            for name, key in self.PEAKS.items():
+                if math.isfinite(metrics.get(key, math.nan)):
+                    self.peaks[name] = max(self.peaks.get(name, 0.0), metrics[key])
+        self.wall_s = time.perf_counter() - started
         return last_val
+
+    def run_stats(self) -> dict[str, Any]:
+        """This start's wall time (validations and checkpoints included), images trained on, images/s
+        over that wall time, and the peak memory the workers reported (GB; CUDA only on a GPU)."""
+        wall = self.wall_s
+        images = self.images_per_step * self.steps_this_start
+        stats: dict[str, Any] = {
+            "wall_s": round(wall, 3),
+            "images": images,
+            "images_per_s": round(images / wall, 4) if wall > 0 else None,
+        }
+        for name, value in sorted(self.peaks.items()):
+            stats[f"peak_{name}_gb"] = round(value, 3)
+        return stats
 
     def check_finite(self, metrics: dict[str, float]) -> None:
         """Count steps in a row whose loss or gradient norm is inf/nan (the engine skips their
@@ -211,6 +246,7 @@ class TrainingLoop:
         """What summary.json records at the end of the run."""
         return {
             "steps": self.step,
+            **self.run_stats(),
             "validation_step": self.last_validation_step,
             "validation": final_validation,
         }

@@ -30,13 +30,14 @@ from diffrl.algos import (
     uses_old_adapter,
 )
 from diffrl.config import load_config, to_yaml
+from diffrl.config.history import record_config
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import atomic_write_text, write_json
+from diffrl.files import write_json
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.models.sampling import ImageGeometry
 from diffrl.rewards import reward_specs
@@ -482,11 +483,6 @@ def _create_and_lock(run_dir: Path, attempts: int = 5) -> tuple[int, bool]:
     )
 
 
-def write_config(run_dir: Path, cfg: Config) -> None:
-    """config.yaml, written atomically (a crash leaves the old file or the new one, never half)."""
-    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-
-
 @dataclass
 class RunFolder:
     """A run's directory while this process owns it: locked, and its checkpoint to resume from."""
@@ -515,10 +511,11 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
         fd, created = _create_and_lock(run_dir)
         if not created:
             checkpoint = _check_resume_target(cfg, run_dir)
-        from diffrl.telemetry.console import run_started
+        from diffrl.telemetry.console import console_log, run_started
 
-        run_started(run_dir, checkpoint)  # the run's first line: where to look
-        yield RunFolder(run_dir, run_name, checkpoint, created)
+        with console_log(run_dir):  # RUN/console.log: everything printed from here on
+            run_started(run_dir, checkpoint)  # the run's first line: where to look
+            yield RunFolder(run_dir, run_name, checkpoint, created)
     except BaseException:
         if created and fd is not None and not (run_dir / "config.yaml").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -585,7 +582,7 @@ def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
     and return its summary."""
     if checkpoint is not None:
         loop.resume(checkpoint)
-    write_config(loop.run_dir, loop.cfg)
+    record_config(loop.run_dir, to_yaml(loop.cfg), loop.step)  # config.yaml, and configs/ keeps each start's
     return loop.summary(loop.fit())
 
 
@@ -615,7 +612,14 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             )
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
         export_final_weights(j.workers.trainer, j.run_dir, cfg)
+        print_report(j)
+    return j.run_dir
+
+
+def print_report(j: Job) -> None:
+    """The end-of-run result, once: the logger's closing line (steps, time, train reward, where),
+    then the report (validation before -> after, pictures); both go to RUN/console.log."""
     from diffrl.telemetry.report import write_report
 
+    j.logger.close()
     print(write_report(j.run_dir))
-    return j.run_dir
