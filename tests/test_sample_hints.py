@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import shlex
+import stat
 
 import numpy as np
 import pytest
@@ -94,6 +95,13 @@ def test_the_sample_command_printed_by_export_merge_works(toy_run, tmp_path, mon
     assert main(argv) == 0, capsys.readouterr().err
     images = _pixels(tmp_path / argv[argv.index("--out") + 1])
     assert images.shape[1:3] == (32, 32)
+    # every file of the pipeline has the mode of a file written the ordinary way (defect 8)
+    (tmp_path / "probe").write_text("")
+    mode = stat.S_IMODE((tmp_path / "probe").stat().st_mode)
+    modes = {
+        str(p): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "my_model").rglob("*") if p.is_file()
+    }
+    assert set(modes.values()) == {mode}, modes
 
 
 def test_exported_lora_records_the_runs_validation_sampler(toy_run):
@@ -134,3 +142,14 @@ def test_sample_size_that_does_not_fit_the_model_names_the_flag_and_the_nearest(
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--height 256" in err and "at most 32" in err, err
+
+
+def test_the_exported_lora_file_has_the_mode_of_every_other_file(toy_run):
+    """Issue 33, defect 8: the LoRA was written 0600 while the run's other files are 0644."""
+    run_dir, _ = toy_run
+    lora = run_dir / "export" / "pytorch_lora_weights.safetensors"
+    reference = run_dir / "export" / "probe"
+    reference.write_text("")  # a file written the ordinary way, under this process's umask
+    assert stat.S_IMODE(lora.stat().st_mode) == stat.S_IMODE(reference.stat().st_mode)
+    assert stat.S_IMODE(lora.stat().st_mode) == stat.S_IMODE((run_dir / "config.yaml").stat().st_mode)
+    reference.unlink()

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from diffrl.files import umask_mode
 from diffrl.models.sampling import EXAMPLE_PROMPTS, read_sampling_file, settings_of_run, write_sampling_file
 from diffrl.train.distributed import barrier, rank
 
@@ -161,6 +162,7 @@ def export_lora(
             transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
             is_main_process=True,
         )
+        umask_mode(out / LORA_FILE)  # written 0600 through a temporary file; 0644 like every other file
     barrier()
     return out
 
@@ -252,6 +254,9 @@ def export_pipeline(adapter, out_dir: str | Path, *, model_path: str | Path, mer
             if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
                 component.save_pretrained(staging / name)
         shutil.copy(resolve_model_path(model_path) / "model_index.json", staging / "model_index.json")
+        for file in staging.rglob("*"):
+            if file.is_file():
+                umask_mode(file)  # safetensors files come out 0600; 0644 like every other file
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
