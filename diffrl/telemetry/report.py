@@ -53,13 +53,13 @@ def add_accuracy(metrics: dict[str, float]) -> dict[str, float]:
     """Add `val/accuracy` to one validation's metrics: the mean over data sources of their
     `val/<source>/accuracy` (the shapes verifier's per category), every category weighted equally.
     The validation logs it and the console and this report show it: one definition everywhere."""
-    per_source = [v for k, v in metrics.items() if _is_source_accuracy(k)]
+    per_source = [v for k, v in metrics.items() if is_source_accuracy(k)]
     if per_source:
         metrics["val/accuracy"] = sum(per_source) / len(per_source)
     return metrics
 
 
-def _is_source_accuracy(key: str) -> bool:
+def is_source_accuracy(key: str) -> bool:
     parts = key.split("/")
     return len(parts) == 3 and parts[0] == "val" and parts[2] == "accuracy" and parts[1] != "rewards"
 
@@ -277,7 +277,7 @@ def _headline_lines(validations: dict[int, dict[str, float]], first: int, last: 
         else:
             before = format_value(validations[first].get(key, math.nan))
             lines.append(f"{key}: {before} (step {first}) → {after} (step {last})")
-    sources = sorted(k for k in validations[last] if _is_source_accuracy(k))
+    sources = sorted(k for k in validations[last] if is_source_accuracy(k))
     if sources:
         changes = (
             f"{k.split('/')[1]} {_change(validations[first].get(k, math.nan), validations[last][k], first == last)}"
@@ -329,7 +329,7 @@ def write_report(run_dir: str | Path) -> str:
         if any("val/accuracy" in v for v in validations.values()):
             accuracy = {s: v["val/accuracy"] for s, v in validations.items() if "val/accuracy" in v}
             series.append(("val/accuracy", accuracy, (44, 160, 44), 3))
-        sources = sorted({k for v in validations.values() for k in v if _is_source_accuracy(k)})
+        sources = sorted({k for v in validations.values() for k in v if is_source_accuracy(k)})
         for key, color in zip(sources, CATEGORY_COLORS, strict=False):
             values = {s: v[key] for s, v in validations.items() if key in v}
             series.append((key, values, color, 1))
