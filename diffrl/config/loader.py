@@ -249,6 +249,18 @@ def _file_layers(path: Path, chain: tuple[Path, ...]) -> list[_Layer]:
 def _parse_overrides(overrides: Sequence[str]) -> _Layer:
     items, replace = [], []
     for item in overrides:
+        if item.startswith(("+", "~")):
+            bare = item.lstrip("+~")
+            fix = (
+                f"write it as {bare!r}: every key of the schema can be set, and a new entry of "
+                "reward.functions is made by naming it"
+                if item[0] == "+"
+                else f"remove an entry with {bare.partition('=')[0]}=null"
+            )
+            raise ConfigError(
+                f"override {item!r}: {item[0]!r} is Hydra's prefix to add or delete a key; diffrl's overrides "
+                f"take none: {fix}"
+            )
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(

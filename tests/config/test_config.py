@@ -358,3 +358,23 @@ def test_lora_inits_that_rewrite_the_base_weights_are_refused():
         ConfigError, match=r"model\.lora\.init='pissa' is invalid: must be one of 'default', 'gaussian'"
     ):
         load_config("default", ["model.lora.init=pissa"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("+actor.optim.lr=1e-4", "write it as 'actor.optim.lr=1e-4'"),
+        ("++reward.functions.ocr.weight=1", "write it as 'reward.functions.ocr.weight=1'"),
+        ("~reward.functions.shapes", "remove an entry with reward.functions.shapes=null"),
+    ],
+)
+def test_hydra_prefixes_get_a_message_that_says_to_drop_them(override, expected, capsys):
+    """Issue 33, defect 13: `+key=value` was answered with a misleading "Did you mean"."""
+    from diffrl.cli import main
+
+    assert main(["config", "default", override]) == 2
+    err = capsys.readouterr().err
+    assert "Hydra's prefix" in err and expected in err and "Did you mean" not in err, err
+    # and the override it suggests works (a tilde's key=null removes the preset's entry)
+    fixed = expected.split("'")[1] if "write it as" in expected else expected.rsplit(" ", 1)[1]
+    assert main(["config", "default", fixed]) == 0
