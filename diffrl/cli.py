@@ -19,10 +19,10 @@ examples:
   diffrl config                                    the default preset, fully resolved
   diffrl config default rollout.sde.noise_level=0.8 actor.optim.lr=1e-4
   diffrl config my_run.yaml trainer.total_steps=10 a YAML file (`base: default` + the keys it changes)
-  diffrl eval runs/default-20261122-101500         held-out accuracy of a run's newest checkpoint
-  diffrl sft                                       pretrain the shapes world's toy model
-  diffrl export runs/default-20261122-101500 --out my_lora   the trained LoRA, diffusers format
-  diffrl export runs/default-20261122-101500 --out my_model --merge   a full pipeline, LoRA merged
+  diffrl eval runs/latest                          held-out accuracy of the last run's newest checkpoint
+  diffrl sft                                       retrain the shapes world's toy model (a GPU job)
+  diffrl export runs/latest --out my_lora          the trained LoRA, diffusers format
+  diffrl export runs/latest --out my_model --merge a full pipeline, LoRA merged
   diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/
   diffrl sample --model ./sd35-medium --lora my_lora --prompt "a cat holding a sign" --out samples/
 
@@ -156,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser(
         "sft",
-        help="supervised flow-matching fine-tuning on images and prompts (default: train the shapes model)",
+        help="supervised flow-matching fine-tuning on images and prompts (default: retrain the shapes model, on a GPU)",
         description="Supervised flow matching on (image, prompt) pairs from a dataset, or on freshly rendered "
-        "shapes-world images (the 'shapes_sft' preset, the default). Writes the trained pipeline to RUN/model.",
+        "shapes-world images (the 'shapes_sft' preset, the default: 8,000 steps of 512 images, a job for one GPU, "
+        "hours on a CPU). Writes the trained pipeline to RUN/model.",
     )
     _add_source_items(sft, default="shapes_sft")
     sft.set_defaults(func=cmd_sft)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +42,10 @@ WATCHED_METRICS = ("rewards/mean", "advantages/mean", "actor/loss", "actor/grad_
 
 class NonFiniteError(ValueError):
     """Too many steps in a row had a non-finite loss or gradient (trainer.max_nonfinite_steps)."""
+
+
+#: Seconds after which a training step prints a progress line, then again every as many seconds.
+LONG_STEP_S = 30.0
 
 
 class TrainingLoop:
@@ -158,7 +161,13 @@ class TrainingLoop:
             self.step += 1
             # torch.compile traces the training graph in a process's first step: minutes on a large model
             compiling = self.cfg.model.compile and self.step == first_step
-            with progress(f"step {self.step} (torch.compile warm-up)") if compiling else nullcontext():
+            # a step that outlasts LONG_STEP_S gets a heartbeat line (a slow host, a large model)
+            heartbeat = (
+                progress(f"step {self.step} (torch.compile warm-up)")
+                if compiling
+                else progress(f"step {self.step}", delay=LONG_STEP_S, every=LONG_STEP_S)
+            )
+            with heartbeat:
                 metrics = self.train_step()
             self.check_finite(metrics)
             last_step = self.step == cfg.total_steps

@@ -525,6 +525,19 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
             os.close(fd)
 
 
+def link_latest(run_dir: Path) -> None:
+    """trainer.output_dir/latest -> the run started last (a relative symlink, swapped atomically),
+    so `diffrl eval runs/latest` and the README's commands work as printed."""
+    link = run_dir.parent / "latest"
+    if link.exists() and not link.is_symlink():
+        print(f"note: {link} is not a link (a run named 'latest'?), so it is left as it is")
+        return
+    staging = run_dir.parent / f".latest.{os.getpid()}"
+    staging.unlink(missing_ok=True)
+    os.symlink(run_dir.name, staging)
+    os.replace(staging, link)
+
+
 def _check_resume_target(cfg: Config, run_dir: Path) -> Path | None:
     checkpoint = find_checkpoint(cfg, run_dir)
     if checkpoint is None and cfg.trainer.resume == "off" and latest_checkpoint(run_dir / "checkpoints"):
@@ -583,6 +596,7 @@ def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
     if checkpoint is not None:
         loop.resume(checkpoint)
     record_config(loop.run_dir, to_yaml(loop.cfg), loop.step)  # config.yaml, and configs/ keeps each start's
+    link_latest(loop.run_dir)
     return loop.summary(loop.fit())
 
 

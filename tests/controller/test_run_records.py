@@ -101,3 +101,11 @@ def test_a_resume_with_other_settings_keeps_every_config_and_warns_about_the_cha
     assert first["actor"]["optim"]["lr"] == load_config("default").actor.optim.lr == 4e-4
     assert resumed["actor"]["optim"]["lr"] == 1e-2
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == resumed
+
+
+def test_runs_latest_links_to_the_run_started_last(runs):
+    """Issue 33, defect 10: the README's run names did not exist; `runs/latest` does."""
+    run_dir, _, _, _, _, _ = runs
+    link = run_dir.parent / "latest"
+    assert link.is_symlink() and link.resolve() == run_dir.resolve()
+    assert (link / "export" / "pytorch_lora_weights.safetensors").is_file()
