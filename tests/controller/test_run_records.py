@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from diffrl.config import load_config
+from diffrl.controller import loop as loop_module
 from diffrl.controller.run import train
 
 ROWS = 6
@@ -55,7 +56,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
     rows = builtin_path("heldout", balanced=True).read_text().splitlines()[:ROWS]
     (root / "val.jsonl").write_text("\n".join(rows) + "\n")
-    run_dir, first, wall = _run(root, [])
+    with pytest.MonkeyPatch.context() as patch:  # a step "longer" than 0.2 s gets progress lines
+        patch.setattr(loop_module, "LONG_STEP_S", 0.2)
+        run_dir, first, wall = _run(root, [])
     summary = json.loads((run_dir / "summary.json").read_text())
     log_after_first = (run_dir / "console.log").read_text()
     _, second, _ = _run(root, ["trainer.total_steps=2", "actor.optim.lr=1e-2"])
@@ -109,3 +112,12 @@ def test_runs_latest_links_to_the_run_started_last(runs):
     link = run_dir.parent / "latest"
     assert link.is_symlink() and link.resolve() == run_dir.resolve()
     assert (link / "export" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_long_training_step_prints_progress_lines(runs):
+    """Issue 33, defect 7: a step of up to a minute showed nothing until it ended."""
+    _, first, _, _, _, _ = runs
+    lines = first.splitlines()
+    heartbeat = [line for line in lines if line.startswith("step 1: ")]
+    assert any("elapsed" in line for line in heartbeat) and heartbeat[-1].startswith("step 1: done in"), lines
+    assert lines.index(heartbeat[-1]) < next(i for i, line in enumerate(lines) if line.startswith("step 1/1"))
