@@ -19,11 +19,11 @@ examples:
   diffrl presets                                   list the built-in presets
   diffrl config                                    the default preset, fully resolved
   diffrl config default rollout.sde.noise_level=0.8 actor.optim.lr=1e-4
-  diffrl config my_run.yaml trainer.total_steps=10 a YAML file of overrides instead of a preset
-  diffrl eval runs/default-20261122-101500         held-out accuracy of a run's newest checkpoint
-  diffrl sft                                       pretrain the shapes world's toy model
-  diffrl export runs/default-20261122-101500 --out my_lora   the trained LoRA, diffusers format
-  diffrl export runs/default-20261122-101500 --out my_model --merge   a full pipeline, LoRA merged
+  diffrl config my_run.yaml trainer.total_steps=10 a YAML file (`base: default` + the keys it changes)
+  diffrl eval runs/latest                          held-out accuracy of the last run's newest checkpoint
+  diffrl sft                                       retrain the shapes world's toy model (a GPU job)
+  diffrl export runs/latest --out my_lora          the trained LoRA, diffusers format
+  diffrl export runs/latest --out my_model --merge a full pipeline, LoRA merged
   diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/
   diffrl sample --model ./sd35-medium --lora my_lora --prompt "a cat holding a sign" --out samples/
 
@@ -93,26 +93,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from diffrl.rollout.generate import generate
+    from diffrl.rollout.generate import FLAGS, describe_settings, generate, sampling_settings
 
     prompts = list(args.prompt)
     if args.prompts_file:
         from diffrl.data.prompts import read_text_prompts
 
         prompts += read_text_prompts(Path(args.prompts_file), "--prompts-file")
+    given = {key: getattr(args, key) for key in FLAGS}
+    settings, sources = sampling_settings(args.model, args.lora, given)
+    print(f"sampling with {describe_settings(settings, sources)}")
     written = generate(
         args.model,
         prompts,
         args.out,
         n=args.n,
         seed=args.seed,
-        steps=args.steps,
-        guidance_scale=args.guidance_scale,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        negative_prompt=args.negative_prompt,
-        max_sequence_length=args.max_sequence_length,
+        **{key: settings[key] for key in FLAGS},
         noise_level=args.noise_level,
         dtype=args.dtype,
         device=args.device,
@@ -159,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser(
         "sft",
-        help="supervised flow-matching fine-tuning on images and prompts (default: train the shapes model)",
+        help="supervised flow-matching fine-tuning on images and prompts (default: retrain the shapes model, on a GPU)",
         description="Supervised flow matching on (image, prompt) pairs from a dataset, or on freshly rendered "
-        "shapes-world images (the 'shapes_sft' preset, the default). Writes the trained pipeline to RUN/model.",
+        "shapes-world images (the 'shapes_sft' preset, the default: 8,000 steps of 512 images, a job for one GPU, "
+        "hours on a CPU). Writes the trained pipeline to RUN/model.",
     )
     _add_source_items(sft, default="shapes_sft")
     sft.set_defaults(func=cmd_sft)
@@ -207,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample = sub.add_parser(
         "sample",
         help="generate images (or videos) from a model directory",
-        description="Generate images or videos with the ODE sampler (or an SDE with --noise-level > 0).",
+        description="Generate images or videos with the ODE sampler (or an SDE with --noise-level > 0). "
+        "Size, steps, guidance and text length default to what the LoRA's run or the model was trained "
+        "with (their diffrl_sampling.json); the line printed first says which were used.",
     )
     sample.add_argument("--model", required=True, help="local diffusers pipeline directory")
     sample.add_argument(
@@ -219,13 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
     sample.add_argument("--out", required=True, help="output folder (images, videos as GIF, samples.jsonl)")
     sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
-    sample.add_argument("--guidance-scale", type=float, default=4.5, help="CFG scale; 1 disables CFG")
-    sample.add_argument("--height", type=int, default=512)
-    sample.add_argument("--width", type=int, default=512)
-    sample.add_argument("--num-frames", type=int, default=1, help="frames (video models)")
-    sample.add_argument("--negative-prompt", default="")
-    sample.add_argument("--max-sequence-length", type=int, default=256)
+    # Sampler settings left out come from the LoRA's or the model's diffrl_sampling.json (a run's
+    # export and toy:shapes have one: what the model was trained and validated with), else the defaults.
+    from_model = "default: the LoRA's or the model's own (diffrl_sampling.json), else"
+    sample.add_argument("--steps", type=int, help=f"denoising steps ({from_model} 28)")
+    sample.add_argument("--guidance-scale", type=float, help=f"CFG scale; 1 disables CFG ({from_model} 4.5)")
+    sample.add_argument(
+        "--height", type=int, help=f"image height ({from_model} the model's sample size, else 512)"
+    )
+    sample.add_argument("--width", type=int, help=f"image width ({from_model} as --height)")
+    sample.add_argument("--num-frames", type=int, help=f"frames, video models ({from_model} 1)")
+    sample.add_argument("--negative-prompt", help=f"negative prompt ({from_model} none)")
+    sample.add_argument(
+        "--max-sequence-length", type=int, help=f"text tokens of the T5-like encoder ({from_model} 256)"
+    )
     sample.add_argument("--noise-level", type=float, default=0.0, help="0 = deterministic ODE sampling")
     sample.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on GPU")
     sample.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")

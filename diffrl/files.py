@@ -119,6 +119,14 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.close(directory)
 
 
+def umask_mode(path: Path) -> None:
+    """Give `path` the mode a plain `open(path, "w")` would (0666 less the umask): some writers
+    (safetensors through a temporary file) leave 0600, unreadable to the user's other accounts."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_json(path: Path, payload: dict) -> None:
     """`payload` as indented JSON, written atomically (`atomic_write_text`)."""
     atomic_write_text(path, json.dumps(payload, indent=2))

@@ -3,6 +3,8 @@
 A preset or file may start from another one with a top-level `base: <preset or path>` key (a
 path relative to the file naming it): the base is merged first, then the file's own keys, so a
 variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: default_20_steps` plus its loss).
+A file without `base:` starts from the schema's defaults, which name no model: a user's file that
+leaves model.path empty that way is refused at once, saying to add `base: default`.
 
 Mappings of named entries (`reward.functions`, each reward's `args`: every `dict[str, ...]` of the
 schema) merge entry by entry like everything else, and two more operations let a layer take entries
@@ -85,6 +87,12 @@ def load_config(source: str | None = None, overrides: Sequence[str] = (), job: s
             merged = _apply_layer(merged, layer)
         except OmegaConfBaseException as err:
             raise ConfigError(f"{layer.where}: {_explain(err)}") from None
+    if not merged.model.path and path.parent != PRESETS_DIR and "base" not in _read_yaml(path).values:
+        raise ConfigError(
+            f"{path} names no `base:`, so it starts from the schema's defaults, which name no model "
+            "(model.path is empty): add the line `base: default` to make it a change of the default job "
+            "(or name another preset: `diffrl presets`), or set model.path"
+        )
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, Config)
     return cfg.validate(job)
@@ -247,6 +255,18 @@ def _file_layers(path: Path, chain: tuple[Path, ...]) -> list[_Layer]:
 def _parse_overrides(overrides: Sequence[str]) -> _Layer:
     items, replace = [], []
     for item in overrides:
+        if item.startswith(("+", "~")):
+            bare = item.lstrip("+~")
+            fix = (
+                f"write it as {bare!r}: every key of the schema can be set, and a new entry of "
+                "reward.functions is made by naming it"
+                if item[0] == "+"
+                else f"remove an entry with {bare.partition('=')[0]}=null"
+            )
+            raise ConfigError(
+                f"override {item!r}: {item[0]!r} is Hydra's prefix to add or delete a key; diffrl's overrides "
+                f"take none: {fix}"
+            )
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(

@@ -7,8 +7,9 @@ TARGET is one of:
   `default` preset's validation (the shapes world's held-out split).
 
 `key=value` overrides apply on top (e.g. `data.val_files=[my_prompts.jsonl]` or `rollout.val.n=8`).
-It prints the validation metrics (the shapes verifier's accuracy per category when that reward is
-configured) and writes `eval.json` and the image grid to the output directory.
+It prints the headline numbers (`val/rewards/mean`, `val/accuracy` and the shapes verifier's
+accuracy per category when that reward is configured) and writes every metric to `eval.json`, with
+the image grid, in the output directory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from diffrl.config.schema import Config
 from diffrl.controller.run import preflight_common, worker_session
 from diffrl.controller.validation import run_validation
 from diffrl.files import check_output_dir
-from diffrl.telemetry.report import validation_metrics
+from diffrl.telemetry.report import HEADLINE, is_source_accuracy, validation_metrics
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 
 
@@ -50,7 +51,7 @@ def resolve_target(target: str, overrides: Sequence[str]) -> tuple[Config, Path 
             "a diffusers model directory (model_index.json)"
         )
     cfg = load_config("default", [f"model.path={target}", *overrides], job="eval")
-    name = path.name or target.replace(":", "_")
+    name = (path.name or target).replace(":", "_")  # toy:shapes -> toy_shapes: no colon in a path
     return cfg, None, Path(cfg.trainer.output_dir) / "eval" / name
 
 
@@ -71,15 +72,17 @@ def evaluate(target: str, overrides: Sequence[str] = (), out_dir: str | None = N
         )
         + "\n"
     )
-    width = max(map(len, metrics))
+    headline = [key for key in HEADLINE if key in metrics]
+    headline += sorted(key for key in metrics if is_source_accuracy(key))
+    width = max(map(len, headline), default=0)
     print(
         f"evaluated {target}"
         + (f" ({checkpoint})" if checkpoint else "")
         + f" on {len(val_records)} prompts:"
     )
-    for key in sorted(metrics):
+    for key in headline:
         print(f"  {key:<{width}}  {metrics[key]:.4f}")
-    print(f"wrote {out / 'eval.json'} and {out / 'validation'}")
+    print(f"wrote {out / 'eval.json'} (all {len(metrics)} metrics) and {out / 'validation'}")
     return metrics
 
 

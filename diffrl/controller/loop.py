@@ -25,10 +25,10 @@ that batch exactly as the uninterrupted run did, with the checkpoint's weights.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from diffrl.config.schema import Config
 from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
@@ -45,6 +45,10 @@ WATCHED_METRICS = ("rewards/mean", "advantages/mean", "actor/loss", "actor/grad_
 
 class NonFiniteError(ValueError):
     """Too many steps in a row had a non-finite loss or gradient (trainer.max_nonfinite_steps)."""
+
+
+#: Seconds after which a training step prints a progress line, then again every as many seconds.
+LONG_STEP_S = 30.0
 
 
 class TrainingLoop:
@@ -82,6 +86,8 @@ class TrainingLoop:
         self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
         self.resume_sync_metrics: dict[str, float] = {}
+        # this start's record for summary.json (`run_stats`)
+        self.wall_s, self.steps_this_start, self.peaks = 0.0, 0, {}
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -133,10 +139,23 @@ class TrainingLoop:
         save_freq = self.cfg.trainer.save_freq
         return step == self.cfg.trainer.total_steps or bool(save_freq and step % save_freq == 0)
 
+    #: Metrics whose largest value over the run goes into summary.json (as peak_<name>_gb).
+    PEAKS: ClassVar[dict[str, str]] = {
+        "rss": "perf/max_rss_gb",
+        "cuda_allocated": "perf/max_memory_allocated_gb",
+    }
+
+    @property
+    def images_per_step(self) -> int:
+        """Images a training step samples (prompts x samples per prompt)."""
+        return self.cfg.images_per_step
+
     def fit(self) -> dict[str, float]:
-        """Run the remaining steps; returns the last validation's metrics."""
+        """Run the remaining steps; returns the last validation's metrics. Records, for
+        summary.json, this start's wall time, steps and peak memory (`run_stats`)."""
         cfg = self.cfg.trainer
         last_val: dict[str, float] = {}
+        started = time.perf_counter()
         if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
             last_val = self.validate()
             self.logger.log(0, last_val)
@@ -145,7 +164,13 @@ class TrainingLoop:
             self.step += 1
             # torch.compile traces the training graph in a process's first step: minutes on a large model
             compiling = self.cfg.model.compile and self.step == first_step
-            with progress(f"step {self.step} (torch.compile warm-up)") if compiling else nullcontext():
+            # a step that outlasts LONG_STEP_S gets a heartbeat line (a slow host, a large model)
+            heartbeat = (
+                progress(f"step {self.step} (torch.compile warm-up)")
+                if compiling
+                else progress(f"step {self.step}", delay=LONG_STEP_S, every=LONG_STEP_S)
+            )
+            with heartbeat:
                 metrics = self.train_step()
             self.check_finite(metrics)
             last_step = self.step == cfg.total_steps
@@ -162,7 +187,26 @@ class TrainingLoop:
                 with self.timer.phase("checkpoint"), progress(f"checkpoint of step {self.step}"):
                     self.save()
                 self.logger.log_more(self.step, self.timer.metrics(0, 1, only=("checkpoint",)))
+            self.steps_this_start += 1
+            for name, key in self.PEAKS.items():
+                if math.isfinite(metrics.get(key, math.nan)):
+                    self.peaks[name] = max(self.peaks.get(name, 0.0), metrics[key])
+        self.wall_s = time.perf_counter() - started
         return last_val
+
+    def run_stats(self) -> dict[str, Any]:
+        """This start's wall time (validations and checkpoints included), images trained on, images/s
+        over that wall time, and the peak memory the workers reported (GB; CUDA only on a GPU)."""
+        wall = self.wall_s
+        images = self.images_per_step * self.steps_this_start
+        stats: dict[str, Any] = {
+            "wall_s": round(wall, 3),
+            "images": images,
+            "images_per_s": round(images / wall, 4) if wall > 0 else None,
+        }
+        for name, value in sorted(self.peaks.items()):
+            stats[f"peak_{name}_gb"] = round(value, 3)
+        return stats
 
     def check_finite(self, metrics: dict[str, float]) -> None:
         """Count steps in a row whose loss or gradient norm is inf/nan (the engine skips their
@@ -218,6 +262,7 @@ class TrainingLoop:
         """What summary.json records at the end of the run."""
         return {
             "steps": self.step,
+            **self.run_stats(),
             "validation_step": self.last_validation_step,
             "validation": final_validation,
         }

@@ -30,6 +30,7 @@ from diffrl.algos import (
     uses_old_adapter,
 )
 from diffrl.config import load_config, to_yaml
+from diffrl.config.history import record_config
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
@@ -37,9 +38,10 @@ from diffrl.controller.placement import Colocated, Placement, Separate, sync_bac
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.controller.sizes import check_sizes
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import atomic_write_text, check_output_dir, check_regular, read_json_file, write_json
+from diffrl.files import check_output_dir, check_regular, read_json_file, write_json
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.models.base import MODEL_DIR_FIX
+from diffrl.models.sampling import ImageGeometry
 from diffrl.rewards import reward_specs
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
@@ -145,53 +147,17 @@ def check_model_files(path: str, index: dict) -> None:
                 ) from None
 
 
-def _read_json(file: Path) -> dict | None:
-    if not file.exists():
-        return None
-    data = read_json_file(file, "model config", MODEL_DIR_FIX)
-    return data if isinstance(data, dict) else None
-
-
 def check_image_size(cfg: Config) -> None:
-    """rollout.pipeline.height/width against what the model's config files allow, before it loads.
-
-    From the configs: the VAE's downsampling (2^(levels-1) for `block_out_channels`, 2^len for
-    video VAEs' `temperal_downsample`; 1 without a VAE) times the transformer's `patch_size` is the
-    multiple a side must be, and `pos_embed_max_size` patches bound it. Adapters check again,
-    exactly, once loaded (a family that packs latents further says so then)."""
-    root = resolve_model_path(cfg.model.path)
-    vae, transformer = (
-        _read_json(root / "vae" / "config.json"),
-        _read_json(root / "transformer" / "config.json"),
-    )
-    if transformer is None:
-        return
-    if vae is None:
-        factor = 1 if not (root / "vae").exists() else None
-    elif isinstance(vae.get("block_out_channels"), list):
-        factor = 2 ** (len(vae["block_out_channels"]) - 1)
-    elif isinstance(vae.get("temperal_downsample"), list):
-        factor = 2 ** len(vae["temperal_downsample"])
-    else:
-        factor = None
-    patch = transformer.get("patch_size") or 1
-    patch = patch[-1] if isinstance(patch, list) else patch
-    if factor is None or not isinstance(patch, int):
-        return
-    multiple = factor * patch
-    largest = transformer.get("pos_embed_max_size")
-    largest = largest * multiple if isinstance(largest, int) else None
+    """rollout.pipeline.height/width against what the model's config files allow, before it loads
+    (`ImageGeometry`: VAE factor x patch size, at most pos_embed_max_size patches). Adapters check
+    again, exactly, once loaded (a family that packs latents further says so then)."""
+    geometry = ImageGeometry.read(resolve_model_path(cfg.model.path))
     pipe = cfg.rollout.pipeline
     for key, value in (("height", pipe.height), ("width", pipe.width)):
-        if value % multiple or (largest is not None and value > largest):
-            nearest = max(multiple, round(value / multiple) * multiple)
-            if largest is not None:
-                nearest = min(nearest, largest)
-            limit = f" and at most {largest}" if largest is not None else ""
+        if (problem := geometry.problem(value)) is not None:
             raise ConfigError(
-                f"rollout.pipeline.{key}={value} does not fit the model {cfg.model.path!r}: it takes sides "
-                f"that are multiples of {multiple} (VAE factor {factor} x patch {patch}){limit}: set "
-                f"rollout.pipeline.{key}={nearest}"
+                f"rollout.pipeline.{key}={value} does not fit the model {cfg.model.path!r}: {problem}: set "
+                f"rollout.pipeline.{key}={geometry.nearest(value)}"
             )
 
 
@@ -561,11 +527,6 @@ def _create_and_lock(run_dir: Path, attempts: int = 5) -> tuple[int, bool]:
     )
 
 
-def write_config(run_dir: Path, cfg: Config) -> None:
-    """config.yaml, written atomically (a crash leaves the old file or the new one, never half)."""
-    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
-
-
 @dataclass
 class RunFolder:
     """A run's directory while this process owns it: locked, and its checkpoint to resume from."""
@@ -594,10 +555,11 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
         fd, created = _create_and_lock(run_dir)
         if not created:
             checkpoint = _check_resume_target(cfg, run_dir)
-        from diffrl.telemetry.console import run_started
+        from diffrl.telemetry.console import console_log, run_started
 
-        run_started(run_dir, checkpoint)  # the run's first line: where to look
-        yield RunFolder(run_dir, run_name, checkpoint, created)
+        with console_log(run_dir):  # RUN/console.log: everything printed from here on
+            run_started(run_dir, checkpoint)  # the run's first line: where to look
+            yield RunFolder(run_dir, run_name, checkpoint, created)
     except BaseException:
         if created and fd is not None and not (run_dir / "config.yaml").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -605,6 +567,19 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def link_latest(run_dir: Path) -> None:
+    """trainer.output_dir/latest -> the run started last (a relative symlink, swapped atomically),
+    so `diffrl eval runs/latest` and the README's commands work as printed."""
+    link = run_dir.parent / "latest"
+    if link.exists() and not link.is_symlink():
+        print(f"note: {link} is not a link (a run named 'latest'?), so it is left as it is")
+        return
+    staging = run_dir.parent / f".latest.{os.getpid()}"
+    staging.unlink(missing_ok=True)
+    os.symlink(run_dir.name, staging)
+    os.replace(staging, link)
 
 
 def _check_resume_target(cfg: Config, run_dir: Path) -> Path | None:
@@ -664,7 +639,8 @@ def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
     and return its summary."""
     if checkpoint is not None:
         loop.resume(checkpoint)
-    write_config(loop.run_dir, loop.cfg)
+    record_config(loop.run_dir, to_yaml(loop.cfg), loop.step)  # config.yaml, and configs/ keeps each start's
+    link_latest(loop.run_dir)
     return loop.summary(loop.fit())
 
 
@@ -694,7 +670,14 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             )
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
         export_final_weights(j.workers.trainer, j.run_dir, cfg)
+        print_report(j)
+    return j.run_dir
+
+
+def print_report(j: Job) -> None:
+    """The end-of-run result, once: the logger's closing line (steps, time, train reward, where),
+    then the report (validation before -> after, pictures); both go to RUN/console.log."""
     from diffrl.telemetry.report import write_report
 
+    j.logger.close()
     print(write_report(j.run_dir))
-    return j.run_dir

@@ -18,6 +18,7 @@ LoRA merged in), loadable as `model.path` by `diffrl train`, `diffrl sample` or 
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,11 @@ from PIL import Image
 from diffrl.config import load_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
-from diffrl.controller.run import job, preflight_common, run_loop
+from diffrl.controller.run import job, preflight_common, print_report, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
 from diffrl.files import check_output_dir, open_regular, write_json
+from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.workers.roles import ImageShard
 
@@ -48,6 +50,10 @@ class SupervisedTrainer(TrainingLoop):
 
     def data_position(self) -> dict:
         return self.data_state
+
+    @property
+    def images_per_step(self) -> int:
+        return self.cfg.data.prompts_per_step  # one image per row
 
     def resume(self, checkpoint: Path) -> None:
         super().resume(checkpoint)
@@ -210,8 +216,22 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
         )
         summary = run_loop(trainer, j.checkpoint)
         summary["model"] = j.workers.call("export_pipeline", str(j.run_dir / "model"))[0]
+        grammar = "shapes" if cfg.sft.images == "shapes" else None  # trained on the shapes world's prompts
+        write_sampling_file(Path(summary["model"]), settings_of_run(cfg.rollout, grammar))
         write_json(j.run_dir / "summary.json", summary)
-    print(f"model written to {summary['model']}")
+        model, prompt = str(summary["model"]), EXAMPLE_PROMPTS[grammar]
+        command = [
+            "diffrl",
+            "sample",
+            "--model",
+            model,
+            "--prompt",
+            prompt,
+            "--out",
+            str(j.run_dir / "samples"),
+        ]
+        print(f"model written to {model}\n  sample from it: {shlex.join(command)}")
+        print_report(j)
     return j.run_dir
 
 

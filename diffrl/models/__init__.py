@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +38,9 @@ def adapter_class(pipeline_class_name: str) -> type[ModelAdapter]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+#: `owner/name`, as Hugging Face Hub ids are written (a relative path of two parts looks the same:
+#: it is only called an id when no such directory exists).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 TINY_PREFIX = "tiny:"
 TOY_PREFIX = "toy:"
 #: Trained models shipped inside the package (`toy:<name>`): the shapes world's pretrained model.
@@ -90,8 +94,17 @@ def read_model_index(path: str | Path) -> dict:
         raise ValueError("model.path is empty: set it to a local diffusers directory (with model_index.json)")
     root = resolve_model_path(path)
     if not root.is_dir():
+        text = str(path)
+        if HUB_ID.fullmatch(text):
+            local = f"models/{text.split('/')[1]}"
+            raise FileNotFoundError(
+                f"model.path={text!r} is not a directory; it looks like a Hugging Face Hub id, and diffrl loads "
+                f"local directories only (it never downloads weights). Download it once with `hf download "
+                f"{text} --local-dir {local}` (huggingface_hub's command; `hf auth login` first for a gated "
+                f"model), then set model.path={local}"
+            )
         raise FileNotFoundError(
-            f"model.path={str(path)!r} is not a directory: point it to a local diffusers model directory "
+            f"model.path={text!r} is not a directory: point it to a local diffusers model directory "
             "(diffrl never downloads weights)"
         )
     index_file = root / "model_index.json"

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.files import check_output_dir
-from diffrl.models import load_model
+from diffrl.models import load_model, resolve_model_path
 from diffrl.models.base import ModelAdapter
+from diffrl.models.sampling import GENERIC, ImageGeometry, resolve_sampling
 from diffrl.rollout import TrajectorySampler
 from diffrl.telemetry.images import save_gif
 
@@ -75,6 +77,67 @@ def load_lora(adapter, lora_dir: Path, scale: float = 1.0) -> None:
         pipe.set_adapters(["default"], adapter_weights=[scale])
 
 
+FLAGS = {
+    "height": "--height",
+    "width": "--width",
+    "steps": "--steps",
+    "guidance_scale": "--guidance-scale",
+    "max_sequence_length": "--max-sequence-length",
+    "num_frames": "--num-frames",
+    "negative_prompt": "--negative-prompt",
+}
+
+
+def sampling_settings(
+    model: str | ModelAdapter, lora: str | Path | None, given: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The sampler settings of `diffrl sample` (`diffrl.models.sampling.resolve_sampling`): those
+    `given` (None = not given), else the LoRA's, else the model's, else the generic ones; checked
+    against the sizes the model takes before it loads. Returns (settings, where each came from)."""
+    unknown = sorted(set(given) - set(FLAGS))
+    assert not unknown, unknown
+    root = None if isinstance(model, ModelAdapter) else resolve_model_path(model)
+    lora_dir = check_lora_dir(lora) if lora is not None else None
+    settings, sources = resolve_sampling(
+        root if root is not None and root.is_dir() else None, lora_dir, given
+    )
+    if root is not None and root.is_dir():
+        geometry = ImageGeometry.read(root)
+        for key in ("height", "width"):
+            if (problem := geometry.problem(settings[key])) is not None:
+                raise ValueError(
+                    f"{FLAGS[key]} {settings[key]} (from {sources[key]}) does not fit the model {str(model)!r}: "
+                    f"{problem}: pass {FLAGS[key]} {geometry.nearest(settings[key])}"
+                )
+    return settings, sources
+
+
+def describe_settings(settings: dict[str, Any], sources: dict[str, str]) -> str:
+    """One line: the settings and, for those not from the command line or the defaults, their file."""
+    text = (
+        f"{settings['height']}x{settings['width']}, {settings['steps']} steps, guidance "
+        f"{settings['guidance_scale']:g}, text length {settings['max_sequence_length']}"
+    )
+    if settings["num_frames"] > 1:
+        text += f", {settings['num_frames']} frames"
+    files = sorted({where for where in sources.values() if where not in ("command line", "defaults")})
+    return text + (f" (from {', '.join(files)})" if files else "")
+
+
+def check_prompts(prompts: Sequence[str], grammar: str | None, model: str | ModelAdapter) -> None:
+    """Prompts outside the grammar the model was trained on would give pictures of nothing it knows."""
+    if grammar == "shapes":
+        from diffrl.toy.grammar import parse_prompt
+
+        for prompt in prompts:
+            try:
+                parse_prompt(prompt)
+            except ValueError as err:
+                raise ValueError(
+                    f"--prompt: the model {str(model)!r} was trained on the shapes world's prompts only: {err}"
+                ) from None
+
+
 def generate(
     model: str | ModelAdapter,
     prompts: Sequence[str],
@@ -82,13 +145,13 @@ def generate(
     *,
     n: int = 1,
     seed: int = 0,
-    steps: int = 28,
-    guidance_scale: float = 4.5,
-    height: int = 512,
-    width: int = 512,
-    num_frames: int = 1,
-    negative_prompt: str = "",
-    max_sequence_length: int = 256,
+    steps: int | None = None,
+    guidance_scale: float | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    negative_prompt: str | None = None,
+    max_sequence_length: int | None = None,
     noise_level: float = 0.0,
     dtype: str | None = None,
     device: str | None = None,
@@ -102,10 +165,24 @@ def generate(
     Sample j of prompt i uses the noise keyed (seed, 0, i·n + j): the same call gives the same files.
     `model`: a model directory (or `toy:`/`tiny:` name), or an already loaded adapter (then `dtype`
     and `device` are its own). `lora`: a LoRA directory in the diffusers format (`diffrl export`),
-    loaded on top of the model. The device and the LoRA directory are checked before the model loads.
+    loaded on top of the model. Sampler settings left at None come from the LoRA's or the model's
+    diffrl_sampling.json, else the generic defaults (`sampling_settings`). The device, the LoRA
+    directory, the image size and, for a model trained on a prompt grammar, the prompts are checked
+    before the model loads.
     """
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    given = dict(
+        height=height,
+        width=width,
+        steps=steps,
+        guidance_scale=guidance_scale,
+        max_sequence_length=max_sequence_length,
+        num_frames=num_frames,
+        negative_prompt=negative_prompt,
+    )
+    settings, _ = sampling_settings(model, lora, given)
+    check_prompts(prompts, settings["prompt_grammar"], model)
     lora_dir = check_lora_dir(lora) if lora is not None else None
     check_output_dir(out_dir, "--out")
     if isinstance(model, ModelAdapter):
@@ -121,15 +198,15 @@ def generate(
         n=n,
         micro_batch_size=micro_batch_size,
         pipeline=PipelineConfig(
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=max_sequence_length,
-            num_frames=num_frames,
-            negative_prompt=negative_prompt,
+            height=settings["height"],
+            width=settings["width"],
+            num_inference_steps=settings["steps"],
+            guidance_scale=settings["guidance_scale"],
+            max_sequence_length=settings["max_sequence_length"],
+            num_frames=settings["num_frames"],
+            negative_prompt=settings["negative_prompt"],
         ),
-        val=ValidationConfig(n=n, seed=seed, num_inference_steps=steps, noise_level=noise_level),
+        val=ValidationConfig(n=n, seed=seed, num_inference_steps=settings["steps"], noise_level=noise_level),
     )
     cfg.pipeline.validate("sample")
     cfg.val.validate("sample")
@@ -152,6 +229,7 @@ def generate(
                         "prompt": prompts[p],
                         "seed": seed,
                         "sample": b % n,
+                        **{key: settings[key] for key in GENERIC},
                         **({"lora": str(lora_dir), "lora_scale": lora_scale} if lora_dir else {}),
                     }
                 )

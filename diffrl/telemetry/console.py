@@ -170,10 +170,53 @@ def progress(
             say(f"{label}: done in {format_duration(state.elapsed())}")
 
 
+CONSOLE_LOG = "console.log"
+
+
+class _Tee:
+    """A text stream that writes to `stream` and to `copy` (the run's console log)."""
+
+    def __init__(self, stream: TextIO, copy: TextIO, lock: threading.Lock) -> None:
+        self._stream, self._copy, self._lock = stream, copy, lock
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        with self._lock:
+            if not self._copy.closed:
+                self._copy.write(text)
+        return written
+
+    def flush(self) -> None:
+        self._stream.flush()
+        with self._lock:
+            if not self._copy.closed:
+                self._copy.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the terminal's
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def console_log(run_dir: Path) -> Iterator[Path]:
+    """Copy everything this process prints, stdout and stderr (worker output that Ray forwards
+    included), to RUN/console.log while the block runs; a resumed run appends to it."""
+    path = Path(run_dir) / CONSOLE_LOG
+    lock = threading.Lock()
+    with open(path, "a", encoding="utf-8", buffering=1) as copy:
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, copy, lock), _Tee(sys.stderr, copy, lock)
+        try:
+            yield path
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
 __all__ = [
+    "CONSOLE_LOG",
     "QUIET_ENV",
     "Progress",
     "configure",
+    "console_log",
     "is_verbose",
     "progress",
     "ray_init_kwargs",

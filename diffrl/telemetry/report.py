@@ -53,13 +53,13 @@ def add_accuracy(metrics: dict[str, float]) -> dict[str, float]:
     """Add `val/accuracy` to one validation's metrics: the mean over data sources of their
     `val/<source>/accuracy` (the shapes verifier's per category), every category weighted equally.
     The validation logs it and the console and this report show it: one definition everywhere."""
-    per_source = [v for k, v in metrics.items() if _is_source_accuracy(k)]
+    per_source = [v for k, v in metrics.items() if is_source_accuracy(k)]
     if per_source:
         metrics["val/accuracy"] = sum(per_source) / len(per_source)
     return metrics
 
 
-def _is_source_accuracy(key: str) -> bool:
+def is_source_accuracy(key: str) -> bool:
     parts = key.split("/")
     return len(parts) == 3 and parts[0] == "val" and parts[2] == "accuracy" and parts[1] != "rewards"
 
@@ -265,6 +265,28 @@ def smooth(curve: Mapping[int, float], window: int) -> dict[int, float]:
     }
 
 
+def _headline_lines(validations: dict[int, dict[str, float]], first: int, last: int) -> list[str]:
+    """HEADLINE metrics and the per-category accuracies, first -> last validation."""
+    lines = []
+    for key in HEADLINE:
+        if key not in validations[last]:
+            continue
+        after = format_value(validations[last][key])
+        if first == last:
+            lines.append(f"{key}: {after} (step {last}, the only validation)")
+        else:
+            before = format_value(validations[first].get(key, math.nan))
+            lines.append(f"{key}: {before} (step {first}) → {after} (step {last})")
+    sources = sorted(k for k in validations[last] if is_source_accuracy(k))
+    if sources:
+        changes = (
+            f"{k.split('/')[1]} {_change(validations[first].get(k, math.nan), validations[last][k], first == last)}"
+            for k in sources
+        )
+        lines.append("val/<category>/accuracy: " + ", ".join(changes))
+    return lines
+
+
 def write_report(run_dir: str | Path) -> str:
     """Write report.json, reward_curve.png and before_after.png into `run_dir`; returns the summary text."""
     run_dir = Path(run_dir)
@@ -282,30 +304,15 @@ def write_report(run_dir: str | Path) -> str:
                 "after": validations[last],
             }
         )
-        for key in HEADLINE:
-            if key not in validations[last]:
-                continue
-            after = format_value(validations[last][key])
-            if first == last:
-                lines.append(f"{key}: {after} (step {last}, the only validation)")
-            else:
-                before = format_value(validations[first].get(key, math.nan))
-                lines.append(f"{key}: {before} (step {first}) → {after} (step {last})")
-        sources = sorted(k for k in validations[last] if _is_source_accuracy(k))
-        if sources:
-            lines.append(
-                "val/<category>/accuracy: "
-                + ", ".join(
-                    f"{k.split('/')[1]} {_change(validations[first].get(k, math.nan), validations[last][k], first == last)}"
-                    for k in sources
-                )
-            )
         samples = [run_dir / "validation" / f"step_{s:06d}.jsonl" for s in (first, last)]
+        table = None
         if first != last and all(path.is_file() for path in samples):
             table = category_table(read_samples(samples[0]), read_samples(samples[1]))
-            if table:
-                report.update(table)
-                lines.extend(format_table(table, first, last))
+        if table:  # per category and their mean (val/accuracy): the result, stated once
+            report.update(table)
+            lines.extend(format_table(table, first, last))
+        else:
+            lines.extend(_headline_lines(validations, first, last))
         grids = [run_dir / "validation" / f"step_{s:06d}.png" for s in (first, last)]
         if first != last and all(g.is_file() for g in grids):
             side_by_side(grids, [f"step {first}", f"step {last}"], run_dir / "before_after.png")
@@ -322,7 +329,7 @@ def write_report(run_dir: str | Path) -> str:
         if any("val/accuracy" in v for v in validations.values()):
             accuracy = {s: v["val/accuracy"] for s, v in validations.items() if "val/accuracy" in v}
             series.append(("val/accuracy", accuracy, (44, 160, 44), 3))
-        sources = sorted({k for v in validations.values() for k in v if _is_source_accuracy(k)})
+        sources = sorted({k for v in validations.values() for k in v if is_source_accuracy(k)})
         for key, color in zip(sources, CATEGORY_COLORS, strict=False):
             values = {s: v[key] for s, v in validations.items() if key in v}
             series.append((key, values, color, 1))

@@ -64,8 +64,9 @@ class ConsoleSink:
         "actor/kl",
         "actor/grad_norm",
     )
-    #: Metrics whose first and last values the closing line compares.
-    SUMMARY_METRICS: tuple[str, ...] = ("rewards/mean", "val/rewards/mean", "val/accuracy")
+    #: Metrics whose first and last values the closing line compares. Validation is not among them:
+    #: the end-of-run report (telemetry/report.py) states it, once.
+    SUMMARY_METRICS: tuple[str, ...] = ("rewards/mean",)
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import shlex
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from diffrl.files import check_output_dir
+from diffrl.files import check_output_dir, umask_mode
+from diffrl.models.sampling import EXAMPLE_PROMPTS, read_sampling_file, settings_of_run, write_sampling_file
 from diffrl.train.distributed import barrier, rank
 
 
@@ -160,6 +162,7 @@ def export_lora(
             transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
             is_main_process=True,
         )
+        umask_mode(out / LORA_FILE)  # written 0600 through a temporary file; 0644 like every other file
     barrier()
     return out
 
@@ -251,6 +254,9 @@ def export_pipeline(adapter, out_dir: str | Path, *, model_path: str | Path, mer
             if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
                 component.save_pretrained(staging / name)
         shutil.copy(resolve_model_path(model_path) / "model_index.json", staging / "model_index.json")
+        for file in staging.rglob("*"):
+            if file.is_file():
+                umask_mode(file)  # safetensors files come out 0600; 0644 like every other file
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -269,20 +275,58 @@ class ExportResult:
     kind: str  # "lora" or "pipeline"
     source: str  # the checkpoint, or the run for its end-of-run export
     base_model: str  # the run's model.path: what the LoRA goes on top of
+    example_prompt: str = "a photo of a cat"  # for the `diffrl sample` command printed
+
+    def sample_command(self) -> str:
+        """A `diffrl sample` command that works as printed: the sampler settings come from the
+        export's diffrl_sampling.json (the run's validation sampler)."""
+        samples = self.out.parent / "samples"
+        model = ["--model", str(self.out)] if self.kind == "pipeline" else ["--model", self.base_model]
+        lora = ["--lora", str(self.out)] if self.kind == "lora" else []
+        argv = [
+            "diffrl",
+            "sample",
+            *model,
+            *lora,
+            "--prompt",
+            self.example_prompt,
+            "-n",
+            "4",
+            "--out",
+            str(samples),
+        ]
+        return shlex.join(argv)
 
     def describe(self) -> str:
         if self.kind == "lora":
-            how = (
-                f"load it with pipe.load_lora_weights({str(self.out)!r}), or: "
-                f"diffrl sample --model {self.base_model} --lora {self.out} --prompt ... --out DIR"
-            )
-            return f"exported the LoRA of {self.source} to {self.out} ({how})"
-        how = f"load it with DiffusionPipeline.from_pretrained({str(self.out)!r}), or: diffrl sample --model {self.out}"
-        return f"exported the full pipeline of {self.source} to {self.out} ({how})"
+            load = f"pipe.load_lora_weights({str(self.out)!r}) on the {self.base_model} pipeline"
+            what = "the LoRA"
+        else:
+            load = f"DiffusionPipeline.from_pretrained({str(self.out)!r})"
+            what = "the full pipeline"
+        return (
+            f"exported {what} of {self.source} to {self.out}\n"
+            f"  load it in diffusers: {load}\n"
+            f"  or sample from it:    {self.sample_command()}"
+        )
 
 
-def _write_info(out: Path, **info) -> None:
+def _write_info(out: Path, cfg, **info) -> None:
+    """diffrl_export.json (what the export came from) and diffrl_sampling.json (the run's validation
+    sampler, which `diffrl sample` takes its defaults from), next to the weights."""
     (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    write_sampling_file(out, settings_of_run(cfg.rollout, _prompt_grammar(cfg.model.path)))
+
+
+def _prompt_grammar(model_path: str) -> str | None:
+    """The prompt grammar of the base model (toy:shapes: the shapes world's), which its fine-tunes keep."""
+    from diffrl.models import resolve_model_path
+
+    return (read_sampling_file(resolve_model_path(model_path)) or {}).get("prompt_grammar")
+
+
+def _example_prompt(model_path: str) -> str:
+    return EXAMPLE_PROMPTS[_prompt_grammar(model_path)]
 
 
 def resolve_run_checkpoint(target: str | Path) -> tuple[Path, Path]:
@@ -364,14 +408,14 @@ def export_run(
         if staging.exists():
             shutil.rmtree(staging)
         engine.export_lora(staging)
-        _write_info(staging, kind="lora", **info)
+        _write_info(staging, cfg, kind="lora", **info)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
-        return ExportResult(out, "lora", str(checkpoint), cfg.model.path)
+        return ExportResult(out, "lora", str(checkpoint), cfg.model.path, _example_prompt(cfg.model.path))
     export_pipeline(adapter, out, model_path=cfg.model.path, merge=engine.lora)
-    _write_info(out, kind="pipeline", merged=engine.lora, **info)
-    return ExportResult(out, "pipeline", str(checkpoint), cfg.model.path)
+    _write_info(out, cfg, kind="pipeline", merged=engine.lora, **info)
+    return ExportResult(out, "pipeline", str(checkpoint), cfg.model.path, _example_prompt(cfg.model.path))
 
 
 def export_final_weights(workers, run_dir: str | Path, cfg) -> ExportResult:
@@ -389,6 +433,7 @@ def export_final_weights(workers, run_dir: str | Path, cfg) -> ExportResult:
     workers.call("export_lora" if lora else "export_pipeline", str(staging))
     _write_info(
         staging,
+        cfg,
         kind="lora" if lora else "pipeline",
         run=str(run_dir),
         step="final",
@@ -398,7 +443,11 @@ def export_final_weights(workers, run_dir: str | Path, cfg) -> ExportResult:
         shutil.rmtree(out)
     staging.rename(out)
     result = ExportResult(
-        out, "lora" if lora else "pipeline", f"run {run_dir} (its final weights)", cfg.model.path
+        out,
+        "lora" if lora else "pipeline",
+        f"run {run_dir} (its final weights)",
+        cfg.model.path,
+        _example_prompt(cfg.model.path),
     )
     print(result.describe())
     return result

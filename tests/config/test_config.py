@@ -68,9 +68,28 @@ def test_yaml_file_source(tmp_path):
             """
         )
     )
-    cfg = load_config(str(path), ["trainer.total_steps=3"])
+    cfg = load_config(str(path), ["trainer.total_steps=3", "model.path=tiny:sd3"])
     assert (cfg.rollout.n, cfg.data.prompts_per_step, cfg.trainer.total_steps) == (4, 2, 3)
     assert cfg.images_per_step == 8
+
+
+def test_a_one_key_file_without_base_is_refused_at_once_saying_to_add_base_default(tmp_path, capsys):
+    """Issue 33, defect 4: a file without `base:` starts from the schema's defaults (no model); it
+    used to print a config with an empty model.path, and `diffrl train` failed 16 s later with
+    "model.path is empty" and no word about `base:`."""
+    from diffrl.cli import main
+
+    path = tmp_path / "my_experiment.yaml"
+    path.write_text("actor:\n  optim: {lr: 1.0e-4}\n")
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "names no `base:`" in err and "base: default" in err and str(path) in err, err
+    # with the line it asks for, the file is the default job with one change
+    path.write_text("base: default\nactor:\n  optim: {lr: 1.0e-4}\n")
+    cfg, default = load_config(str(path)), load_config("default")
+    assert cfg.actor.optim.lr == 1e-4
+    assert dataclasses.replace(cfg.actor.optim, lr=default.actor.optim.lr) == default.actor.optim
+    assert cfg.model == default.model and cfg.rollout == default.rollout
 
 
 def test_base_chains_merge_outermost_first(tmp_path):
@@ -332,7 +351,7 @@ def test_resume_off_survives_yaml_booleans(tmp_path):
     # YAML 1.1 reads a bare `off` as false; the key still means "off".
     assert load_config("default", ["trainer.resume=off"]).trainer.resume == "off"
     path = tmp_path / "run.yaml"
-    path.write_text("trainer:\n  resume: off\n")
+    path.write_text("base: default\ntrainer:\n  resume: off\n")
     assert load_config(str(path)).trainer.resume == "off"
     assert load_config(
         "default", ["trainer.resume=/runs/x/checkpoints/step_00000002"]
@@ -344,3 +363,23 @@ def test_lora_inits_that_rewrite_the_base_weights_are_refused():
         ConfigError, match=r"model\.lora\.init='pissa' is invalid: must be one of 'default', 'gaussian'"
     ):
         load_config("default", ["model.lora.init=pissa"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("+actor.optim.lr=1e-4", "write it as 'actor.optim.lr=1e-4'"),
+        ("++reward.functions.ocr.weight=1", "write it as 'reward.functions.ocr.weight=1'"),
+        ("~reward.functions.shapes", "remove an entry with reward.functions.shapes=null"),
+    ],
+)
+def test_hydra_prefixes_get_a_message_that_says_to_drop_them(override, expected, capsys):
+    """Issue 33, defect 13: `+key=value` was answered with a misleading "Did you mean"."""
+    from diffrl.cli import main
+
+    assert main(["config", "default", override]) == 2
+    err = capsys.readouterr().err
+    assert "Hydra's prefix" in err and expected in err and "Did you mean" not in err, err
+    # and the override it suggests works (a tilde's key=null removes the preset's entry)
+    fixed = expected.split("'")[1] if "write it as" in expected else expected.rsplit(" ", 1)[1]
+    assert main(["config", "default", fixed]) == 0

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shlex
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 import yaml
 from PIL import Image
 
+from diffrl.cli import main
 from diffrl.controller.evaluate import evaluate
 from diffrl.controller.sft import sft
 from diffrl.models import load_model
@@ -61,8 +63,16 @@ def data(tmp_path, monkeypatch):
     return _dataset(tmp_path / "data")
 
 
-def test_sft_lowers_the_loss_and_exports_a_model_that_evaluates_like_its_checkpoint(tmp_path, data):
+def test_sft_lowers_the_loss_and_exports_a_model_that_evaluates_like_its_checkpoint(tmp_path, data, capsys):
     run_dir = sft(_config(tmp_path, data))
+    # the `diffrl sample` command printed at the end works as printed, at the run's image size
+    printed = [line for line in capsys.readouterr().out.splitlines() if "diffrl sample " in line]
+    assert len(printed) == 1, printed
+    argv = shlex.split(printed[0][printed[0].index("diffrl sample ") :])[1:]
+    assert main(argv) == 0, capsys.readouterr().err
+    samples = sorted((run_dir / "samples").glob("*.png"))
+    assert samples and Image.open(samples[0]).size == (32, 32)
+
     metrics = read_metrics(run_dir / "metrics.jsonl")
     losses = [metrics[s]["actor/loss"] for s in range(1, 13)]
     assert all(math.isfinite(x) for x in losses)

@@ -3,7 +3,7 @@ import shutil
 
 import pytest
 
-from diffrl.models import ADAPTERS, adapter_class, load_model
+from diffrl.models import ADAPTERS, adapter_class, load_model, read_model_index
 
 
 def test_missing_directory(tmp_path):
@@ -64,3 +64,21 @@ def test_tiny_model_paths_build_once_into_the_cache(tmp_path, monkeypatch):
     assert type(load_model("tiny:sd3", dtype="float32")).__name__ == "SD3Adapter"
     with pytest.raises(ValueError, match=r"no tiny model 'sdxl'; choose tiny:sd3"):
         resolve_model_path("tiny:sdxl")
+
+
+def test_a_hub_id_as_model_path_says_how_to_download_it(tmp_path, monkeypatch):
+    """Issue 33, defect 13: a Hub id was refused without saying how to get a local directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        read_model_index("stabilityai/stable-diffusion-3.5-medium")
+    message = str(err.value)
+    assert "Hugging Face Hub id" in message
+    assert (
+        "hf download stabilityai/stable-diffusion-3.5-medium --local-dir models/stable-diffusion-3.5-medium"
+        in message
+    )
+    assert "model.path=models/stable-diffusion-3.5-medium" in message
+    # a path that is clearly a path is not called an id
+    with pytest.raises(FileNotFoundError) as err:
+        read_model_index(str(tmp_path / "nope"))
+    assert "Hub id" not in str(err.value)
