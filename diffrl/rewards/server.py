@@ -86,9 +86,17 @@ class RewardHTTPServer(ThreadingHTTPServer):
         limits: ServerLimits | None = None,
         token: str | None = None,
     ) -> None:
+        from diffrl.rewards.remote import pillow_pixel_cap
+
         self.reward = reward
         self.spec = spec
         self.limits = limits or ServerLimits()
+        if self.limits.max_image_pixels > pillow_pixel_cap():
+            raise ValueError(
+                f"reward server: max_image_pixels={self.limits.max_image_pixels} is above what Pillow "
+                f"opens ({pillow_pixel_cap()} pixels, twice PIL.Image.MAX_IMAGE_PIXELS): lower "
+                "--max-image-pixels, or raise PIL.Image.MAX_IMAGE_PIXELS in the serving process"
+            )
         self.token = token or None
         self.score_lock = threading.Lock()
         self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)

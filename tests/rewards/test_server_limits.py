@@ -129,6 +129,38 @@ def test_each_limit_is_a_4xx_naming_itself(huge_png):
                 assert _read_all(sock).startswith(b"HTTP/1.0 411"), length[:5]
 
 
+def _png_header(width, height) -> str:
+    """A PNG that claims width x height (a valid signature and IHDR, no pixel data): what a client
+    needs to send to reach the decoder's own size checks."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+def test_an_image_over_pillows_own_cap_is_refused_with_the_servers_limit():
+    """Pillow refuses an image of more than 2 x PIL.Image.MAX_IMAGE_PIXELS (178,956,970) pixels in
+    `Image.open`, before the server sees its size: the answer still names the server's limit."""
+    pillow_cap = 2 * Image.MAX_IMAGE_PIXELS
+    side = 20_000  # 400 M pixels: over Pillow's cap and over every limit below
+    assert side * side > pillow_cap
+    for limits in (SMALL, ServerLimits(max_image_pixels=pillow_cap)):
+        with start_reward_server("jpeg_compressibility", limits=limits) as server:
+            status, answer = _post(server.url, _body([_png(8, 8), _png_header(side, side)]))
+        assert status == 413, answer
+        assert answer["limit"] == "max_image_pixels" and answer["value"] == limits.max_image_pixels, answer
+        assert f"max_image_pixels={limits.max_image_pixels}" in answer["error"]
+        assert "image 1" in answer["error"] and str(Image.MAX_IMAGE_PIXELS) not in answer["error"]
+    # a limit above what Pillow opens could never be honoured: refused when the server starts
+    with pytest.raises(ValueError, match=rf"max_image_pixels={pillow_cap + 1} is above what Pillow opens"):
+        start_reward_server("jpeg_compressibility", limits=ServerLimits(max_image_pixels=pillow_cap + 1))
+
+
 def test_token_is_required_and_compared(monkeypatch):
     pixels, prompts = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), ["a", "b"]
     body = json.dumps(encode_request(pixels, prompts, None)).encode()
