@@ -14,6 +14,7 @@ from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.files import check_output_dir
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
+from diffrl.models.bounds import check_model_bounds
 from diffrl.rollout import TrajectorySampler
 from diffrl.telemetry.images import save_gif
 
@@ -99,10 +100,11 @@ def generate(
 ) -> list[Path]:
     """Sample `n` images (or videos) per prompt and write them with a manifest, samples.jsonl.
 
-    Sample j of prompt i uses the noise keyed (seed, 0, i·n + j): the same call gives the same files.
-    `model`: a model directory (or `toy:`/`tiny:` name), or an already loaded adapter (then `dtype`
-    and `device` are its own). `lora`: a LoRA directory in the diffusers format (`diffrl export`),
-    loaded on top of the model. The device and the LoRA directory are checked before the model loads.
+        Sample j of prompt i uses the noise keyed (seed, 0, i·n + j): the same call gives the same files.
+        `model`: a model directory (or `toy:`/`tiny:` name), or an already loaded adapter (then `dtype`
+        and `device` are its own). `lora`: a LoRA directory in the diffusers format (`diffrl export`),
+        loaded on top of the model. The device, the LoRA directory, and `steps` and `max_sequence_length`
+    against the model directory's bounds (`diffrl.models.bounds`) are checked before the model loads.
     """
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
@@ -111,6 +113,7 @@ def generate(
     if isinstance(model, ModelAdapter):
         adapter = model
     else:
+        check_model_bounds(model, {"--steps": steps}, {"--max-sequence-length": max_sequence_length})
         device = device or default_device()
         check_device(device)
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")

@@ -237,6 +237,11 @@ def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
         ),
         ("rollout.val.n=1000000000", "rollout.val.n=1000000000 x "),
         ("model.lora.rank=1000000", "model.lora.rank=1000000 is more than the transformer's width 32"),
+        (
+            "rollout.pipeline.max_sequence_length=1000000000",
+            "rollout.pipeline.max_sequence_length=1000000000 is more text tokens than "
+            "StableDiffusion3Pipeline's text encoder takes (512)",
+        ),
     ],
 )
 def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
@@ -249,6 +254,32 @@ def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
     assert message in err, err
     if "images" in message:
         assert "GiB" in err and "more than this machine's" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "1000000000"], "--steps=1000000000 is more than the 1000 noise levels"),
+        (["--steps", "1001"], "--steps=1001 is more than the 1000 noise levels"),
+        (
+            ["--max-sequence-length", "1000000000"],
+            "--max-sequence-length=1000000000 is more text tokens than StableDiffusion3Pipeline's "
+            "text encoder takes (512): set --max-sequence-length <= 512",
+        ),
+    ],
+)
+def test_sample_sizes_beyond_what_the_model_holds_exit_2_before_it_loads(
+    tmp_path, capsys, tiny_model, no_model_loads, flags, message
+):
+    """`diffrl sample` checks its size flags against the model directory's files (tiny:sd3's
+    scheduler has 1000 timesteps; SD3's T5 takes 512 tokens, the diffusers pipeline's own check)."""
+    model = tiny_model("sd3")
+    trained = json.loads((model / "scheduler" / "scheduler_config.json").read_text())["num_train_timesteps"]
+    assert trained == 1000
+    argv = ["sample", "--model", str(model), "--prompt", "a cat", "--out", str(tmp_path / "s"), *flags]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
 
 
 # ------------------------------------------------------------------- (6) a full disk
