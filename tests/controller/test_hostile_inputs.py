@@ -345,3 +345,58 @@ def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_tempo
     from diffrl.telemetry import read_metrics
 
     assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]  # the trained step is logged
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (room for a tiny run), and a function that fills it to its last block."""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+
+    def fill():
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+            while True:
+                filler.write(b"x" * 4096)
+
+    yield disk, fill
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_on_a_full_disk_says_so_and_changes_nothing(tmp_path, capsys, small_disk):
+    """Issue 32, item 6: a resume (trainer.resume=auto) on a full disk ended in a traceback. It is an
+    exit 2 saying the disk is full, where, and that what was there is intact; every file of the
+    run (summary.json, metrics.jsonl, config.yaml, the checkpoint) is byte-identical afterwards."""
+    disk, fill = small_disk
+    out = disk / "runs"
+    argv = [
+        "train",
+        "tiny_sd3",
+        f"trainer.output_dir={out}",
+        "trainer.run_name=r",
+        "trainer.loggers=[jsonl]",
+        *FAST,
+    ]
+    assert exit_code(argv) == 0
+    run = out / "r"
+    assert (run / "summary.json").is_file() and (run / "checkpoints" / "step_00000001").is_dir()
+    before = _tree(run)
+    fill()
+    capsys.readouterr()
+    assert exit_code([*argv, "trainer.total_steps=2", "trainer.resume=auto"]) == 2
+    err = capsys.readouterr().err
+    assert "the disk is full (No space left on device) writing" in err and "Traceback" not in err, err
+    assert str(run) in err, err  # where
+    assert "intact" in err, err  # what was kept
+    after = _tree(run)
+    assert sorted(after) == sorted(before), set(after) ^ set(before)  # no .tmp-*, no new file
+    changed = [name for name in before if before[name] != after[name]]
+    assert changed in ([], [".lock"]), changed  # the lock holds the PID of whoever owns the folder
