@@ -345,6 +345,7 @@ def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_tempo
     from diffrl.telemetry import read_metrics
 
     assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]  # the trained step is logged
+    assert not (run / "summary.json").exists()  # written only when a run ends whole
 
 
 @pytest.fixture
