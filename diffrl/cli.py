@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
-    from diffrl.rewards.server import register_cli
+    from diffrl.rewards.serve_cli import register_cli
 
     parser = argparse.ArgumentParser(prog="diffrl")
     register_cli(parser.add_subparsers(dest="command"))

@@ -7,10 +7,12 @@ anything but a regular file is a ValueError naming the path and what it is, rais
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -102,15 +104,31 @@ def read_json_file(path: str | os.PathLike, what: str, fix: str) -> Any:
         ) from None
 
 
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """An OSError raised inside without a file name (a write, flush or fsync on an open file: a
+    full disk, say) is raised again naming `path`, so the message can say where."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `path` so that a crash or a power loss leaves the old file or the new one, never half
     or an empty one: a temporary file, flushed to the disk, renamed over `path`, and the rename
-    itself made durable."""
+    itself made durable. A failed write (a full disk) removes the temporary file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with naming(path), open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:

@@ -38,7 +38,13 @@ from diffrl.controller.placement import Colocated, Placement, Separate, sync_bac
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN, PolicyGradientTrainer
 from diffrl.controller.sizes import check_sizes
 from diffrl.data import PromptRecord, load_prompts
-from diffrl.files import check_output_dir, check_regular, read_json_file, write_json
+from diffrl.files import (
+    check_output_dir,
+    check_regular,
+    naming,
+    read_json_file,
+    write_json,
+)
 from diffrl.models import read_model_index, resolve_model_path
 from diffrl.models.base import MODEL_DIR_FIX
 from diffrl.models.sampling import ImageGeometry
@@ -483,8 +489,9 @@ def _lock(run_dir: Path) -> int:
             f"cannot lock run folder {run_dir} ({err}): put trainer.output_dir on a local file system"
         ) from None
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        with naming(run_dir / LOCK_FILE):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
     except OSError:  # e.g. ENOSPC: the caller removes a folder it made
         os.close(fd)
         raise

@@ -4,10 +4,9 @@ The schema checks each key's lower bound and type; what a key may not exceed dep
 model and the machine, so it is checked here, from the model's config files and the machine's
 memory, with the key named in a ConfigError (exit 2) and the largest value that fits:
 
-- `rollout.pipeline.num_inference_steps`, `rollout.val.num_inference_steps`: at most the
-  scheduler's `num_train_timesteps` (scheduler/scheduler_config.json): the model was trained on
-  that many noise levels, and the step schedule's arrays grow with the value (1e9 steps took the
-  whole machine's memory before);
+- `rollout.pipeline.num_inference_steps`, `rollout.val.num_inference_steps`,
+  `rollout.pipeline.max_sequence_length`: the model directory's bounds (`diffrl.models.bounds`:
+  the scheduler's `num_train_timesteps`, the text encoder's token limit);
 - `model.lora.rank`: at most the transformer's width (`num_attention_heads x attention_head_dim`):
   a LoRA of higher rank than the layers it adapts adds memory, not capacity;
 - the images of one step (`data.prompts_per_step x rollout.n`) and of one validation
@@ -25,6 +24,7 @@ from typing import Any
 
 from diffrl.config.schema import Config, ConfigError
 from diffrl.models import resolve_model_path
+from diffrl.models.bounds import check_model_bounds
 
 GIB = 1 << 30
 
@@ -65,19 +65,19 @@ def estimate_image_bytes(cfg: Config, vae: dict[str, Any]) -> int:
 def check_sizes(cfg: Config, validation_prompts: int) -> None:
     """Every bound of the module docstring; raises ConfigError naming the key and the fix."""
     root = resolve_model_path(cfg.model.path)
-    scheduler = _config(root, "scheduler/scheduler_config.json")
     transformer = _config(root, "transformer/config.json")
-    trained = scheduler.get("num_train_timesteps")
-    if isinstance(trained, int) and trained > 0:
-        for key, value in (
-            ("rollout.pipeline.num_inference_steps", cfg.rollout.pipeline.num_inference_steps),
-            ("rollout.val.num_inference_steps", cfg.rollout.val.num_inference_steps),
-        ):
-            if value is not None and value > trained:
-                raise ConfigError(
-                    f"{key}={value} is more than the {trained} noise levels the model was trained on "
-                    f"(num_train_timesteps in {root / 'scheduler' / 'scheduler_config.json'}): set {key} <= {trained}"
-                )
+    pipe, val = cfg.rollout.pipeline, cfg.rollout.val
+    try:
+        check_model_bounds(
+            root,
+            {
+                "rollout.pipeline.num_inference_steps": pipe.num_inference_steps,
+                "rollout.val.num_inference_steps": val.num_inference_steps,
+            },
+            {"rollout.pipeline.max_sequence_length": pipe.max_sequence_length},
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     heads, head_dim = transformer.get("num_attention_heads"), transformer.get("attention_head_dim")
     if isinstance(heads, int) and isinstance(head_dim, int) and cfg.model.lora.rank > heads * head_dim:
         raise ConfigError(

@@ -119,6 +119,9 @@ class ModelAdapter(ABC):
     is_video: ClassVar[bool] = False
     #: How error messages name the latent layout `velocity` expects.
     latent_layout: ClassVar[str] = "the latent layout"
+    #: The most text tokens `encode_prompts` takes (`max_sequence_length`): the family's text
+    #: encoder or pipeline limit, checked from the model directory before the model loads.
+    max_text_tokens: ClassVar[int]
     #: Components loaded in a dtype of their own instead of `model.dtype` (e.g. Wan's VAE in fp32).
     component_dtypes: ClassVar[dict[str, torch.dtype]] = {}
 

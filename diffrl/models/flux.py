@@ -56,6 +56,7 @@ class FluxAdapter(ModelAdapter):
     """FLUX.1 through diffusers' `FluxPipeline` (CLIP-L pooled + T5 text, packed 2x2 latents)."""
 
     pipeline_class_name: ClassVar[str] = "FluxPipeline"
+    max_text_tokens: ClassVar[int] = 512  # T5: the pipeline check_inputs limit
     schedule_convention: ClassVar[str] = "flux"
     latent_layout: ClassVar[str] = "the packed FLUX layout"
     block_class_names: ClassVar[tuple[str, ...]] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")

@@ -68,6 +68,7 @@ class QwenImageAdapter(ModelAdapter):
     """
 
     pipeline_class_name = "QwenImagePipeline"
+    max_text_tokens = 1024  # the pipeline tokenizer_max_length
     schedule_convention = "qwen_image"
     latent_layout = "the packed Qwen-Image layout"
     block_class_names = ("QwenImageTransformerBlock",)

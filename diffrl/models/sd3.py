@@ -49,6 +49,7 @@ _MAX_T5_TOKENS = 512
 
 class SD3Adapter(ModelAdapter):
     pipeline_class_name = "StableDiffusion3Pipeline"
+    max_text_tokens = _MAX_T5_TOKENS
     schedule_convention = "sd3"
     block_class_names = ("JointTransformerBlock",)
     default_lora_target_modules = (

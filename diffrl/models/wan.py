@@ -53,6 +53,9 @@ TINY_SHIFT = 3.0
 
 class WanAdapter(ModelAdapter):
     pipeline_class_name = "WanPipeline"
+    # UMT5's text length in Wan: the pipeline pads every prompt to max_sequence_length (default 512)
+    # and sets no limit of its own, so 1e9 would allocate 1e9 x 4096 values per prompt
+    max_text_tokens = 512
     schedule_convention = "wan"
     block_class_names = ("WanTransformerBlock",)
     # Self-attention (attn1) and cross-attention (attn2) q/k/v/out of every block, and the block's

@@ -82,14 +82,29 @@ def decode_png(data: str) -> torch.Tensor:
     return _to_chw(image)
 
 
-def _open_image(data: Any) -> Image.Image:
-    """A PIL image from base64 with only its header read (the size is known, no pixel decoded yet)."""
+def pillow_pixel_cap() -> int:
+    """The most pixels `Image.open` accepts: above it Pillow raises DecompressionBombError itself
+    (twice `Image.MAX_IMAGE_PIXELS`, which only warns); None there disables its check."""
+    cap = Image.MAX_IMAGE_PIXELS
+    return 2 * int(cap) if cap is not None else 1 << 62
+
+
+def _open_image(data: Any, index: int = 0, max_image_pixels: int | None = None) -> Image.Image:
+    """A PIL image from base64 with only its header read (the size is known, no pixel decoded yet).
+
+    Pillow's own decompression-bomb check runs in `Image.open`, before the caller can compare the
+    size with its limit: an image it refuses is over `max_image_pixels` too (a server refuses a
+    larger limit when it starts), so the answer names the caller's limit, never Pillow's number."""
     if not isinstance(data, str):
         raise ValueError(f"an image must be a base64 string, got {type(data).__name__}")
     try:
         return Image.open(io.BytesIO(base64.b64decode(data, validate=True)), formats=IMAGE_FORMATS)
-    except Image.DecompressionBombError as err:  # Pillow's own cap, above ours: still a size limit
-        raise LimitExceeded("max_image_pixels", Image.MAX_IMAGE_PIXELS, str(err)) from err
+    except Image.DecompressionBombError as err:
+        if max_image_pixels is None:
+            raise ValueError(f"image {index} is too large to decode: {err}") from err
+        raise LimitExceeded(
+            "max_image_pixels", max_image_pixels, f"image {index} has more than {pillow_pixel_cap()} pixels"
+        ) from err
     except Exception as err:
         raise ValueError(f"not a base64-encoded PNG or JPEG: {type(err).__name__}: {err}") from err
 
@@ -177,7 +192,7 @@ def decode_request(
     images = []
     total_pixels = 0
     for index, data in enumerate(frames):
-        image = _open_image(data)
+        image = _open_image(data, index, max_image_pixels)
         width, height = image.size
         if max_image_pixels is not None and width * height > max_image_pixels:
             raise LimitExceeded(

@@ -10,30 +10,30 @@ The trainer then uses `reward.functions.http.args.url=http://HOST:PORT`. The pro
 nothing from concurrent calls and most rewards are not thread-safe. Batch on the client side.
 
 A peer can be hostile or broken, so every resource a request can take is bounded (`ServerLimits`,
-one CLI flag each): connections, requests being read/decoded/scored at once, the body, JSON items,
-images, pixels per image and per request (read from the PNG header before any pixel is decoded),
-prompt length, and a deadline on reading each request as a whole (a client trickling bytes is cut
+one CLI flag each): connections, requests decoded/scored at once, body bytes being received, the
+body, JSON items, images, pixels per image and per request (read from the PNG header before any
+pixel is decoded), prompt length, and a deadline on reading each request as a whole (a client trickling bytes is cut
 off). Rejections are answered at once with 4xx/503 and `{"error", "limit", "value"}`. With a token
 (`--token-env` or DIFFRL_REWARD_TOKEN) every request needs `Authorization: Bearer <token>`. The
-default host is 127.0.0.1 (this machine only). Peak memory is about
-`max_concurrent_requests x (3 x max_body_bytes + 3 x max_request_pixels)` plus the reward model.
+default host is 127.0.0.1 (this machine only). A request's body is received before it takes one of
+the `max_concurrent_requests` slots (decoding and scoring), so clients that send slowly hold only a
+connection each. Peak memory is about `max_receiving_bytes + max_concurrent_requests x
+(3 x max_body_bytes + 3 x max_request_pixels)` plus the reward model.
 
-Importing this module imports only the standard library: `diffrl --help` builds this parser, and
-the reward stack (torch, the models) loads when a server is made.
+Importing this module imports only the standard library (`diffrl --help` builds the parser in
+`serve_cli`, which imports this), and the reward stack (torch, the models) loads when a server is made.
 """
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import io
 import json
 import logging
-import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,9 +57,10 @@ class ServerLimits:
     """
 
     max_connections: int = 64  # open connections (one thread each); more are answered 503 at once
-    max_concurrent_requests: int = 4  # requests past their headers (reading, decoding, scoring); 503 beyond
+    max_concurrent_requests: int = 4  # requests whose body has arrived, being decoded or scored; 503 beyond
     read_timeout: float = 60.0  # seconds to receive a request's headers and body, in total
     max_body_bytes: int = 64 << 20  # 64 MiB
+    max_receiving_bytes: int = 256 << 20  # body bytes received, over every request still receiving its body
     max_json_items: int = 100_000  # JSON values (bounds json.loads's memory, ~60 bytes per value)
     max_images: int = 256  # images per request; video frames count
     max_image_pixels: int = 4096 * 4096
@@ -71,6 +72,12 @@ class ServerLimits:
             value = getattr(self, f.name)
             if not value > 0:
                 raise ValueError(f"reward server: {f.name}={value!r} is invalid: must be > 0")
+        if self.max_receiving_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"reward server: max_receiving_bytes={self.max_receiving_bytes} is below "
+                f"max_body_bytes={self.max_body_bytes}, so a body of the allowed size could never be "
+                "received: raise --max-receiving-bytes or lower --max-body-bytes"
+            )
 
 
 class RewardHTTPServer(ThreadingHTTPServer):
@@ -86,13 +93,22 @@ class RewardHTTPServer(ThreadingHTTPServer):
         limits: ServerLimits | None = None,
         token: str | None = None,
     ) -> None:
+        from diffrl.rewards.remote import pillow_pixel_cap
+
         self.reward = reward
         self.spec = spec
         self.limits = limits or ServerLimits()
+        if self.limits.max_image_pixels > pillow_pixel_cap():
+            raise ValueError(
+                f"reward server: max_image_pixels={self.limits.max_image_pixels} is above what Pillow "
+                f"opens ({pillow_pixel_cap()} pixels, twice PIL.Image.MAX_IMAGE_PIXELS): lower "
+                "--max-image-pixels, or raise PIL.Image.MAX_IMAGE_PIXELS in the serving process"
+            )
         self.token = token or None
         self.score_lock = threading.Lock()
         self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)
         self.request_slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
+        self.receiving = _ByteBudget(self.limits.max_receiving_bytes)
         super().__init__(address, RewardRequestHandler)
 
     @property
@@ -137,6 +153,26 @@ def _refuse(sock: socket.socket, max_connections: int) -> None:
         sock.sendall(head + body)
     except OSError:
         pass  # the peer is gone or not reading: it was refused either way
+
+
+class _ByteBudget:
+    """Body bytes held by requests still receiving theirs, over all connections: a connection
+    counts what has arrived, not what it announced, so a client trickling its body holds the few
+    bytes it sent, and clients sending fast cannot together hold more than the total."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used, self.lock = total, 0, threading.Lock()
+
+    def take(self, count: int) -> bool:
+        with self.lock:
+            if self.used + count > self.total:
+                return False
+            self.used += count
+            return True
+
+    def give(self, count: int) -> None:
+        with self.lock:
+            self.used -= count
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -237,33 +273,73 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
             length = self._check_headers()
         except Rejected as err:
             self._answer(err.status, err.body())
-            self._discard_body()
+            self._discard_body(_content_length(self.headers.get("Content-Length", "0")) or 0)
+            return
+        try:
+            # The body arrives before the request takes a slot: clients still sending (slowly, or
+            # never) hold a connection each, never one of the few requests that decode and score.
+            raw = self._receive_body(length)
+        except Rejected as err:
+            self._answer(err.status, err.body())
             return
         if not self.server.request_slots.acquire(blocking=False):
             limit = self.server.limits.max_concurrent_requests
+            del raw
             self._answer(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 Rejected(
                     HTTPStatus.SERVICE_UNAVAILABLE,
-                    f"busy: {limit} requests are being served; retry later",
+                    f"busy: {limit} requests are being scored; retry later",
                     "max_concurrent_requests",
                     limit,
                 ).body(),
             )
-            self._discard_body()
             return
         try:
-            self._score(length)
+            self._score(raw)
         finally:
             self.server.request_slots.release()
 
-    def _discard_body(self) -> None:
-        """Read (and drop) what the client still sends, until the read deadline at most.
+    def _receive_body(self, length: int) -> bytes:
+        """The whole body, within the connection's read deadline; `Rejected` 408 (deadline), 400
+        (the body ended short) or 503 (`max_receiving_bytes` is held by other requests' bodies)."""
+        limits, receiving = self.server.limits, self.server.receiving
+        chunks: list[bytes] = []
+        received = 0
+        try:
+            while received < length:
+                chunk = self.rfile.read1(min(length - received, 1 << 16))
+                if not chunk:
+                    self.close_connection = True
+                    raise Rejected(HTTPStatus.BAD_REQUEST, f"body ended after {received} of {length} bytes")
+                if not receiving.take(len(chunk)):
+                    left = length - received - len(chunk)
+                    receiving.give(received)
+                    received = 0
+                    chunks.clear()
+                    self._discard_body(left)
+                    raise Rejected(
+                        HTTPStatus.SERVICE_UNAVAILABLE,
+                        f"busy: other requests' bodies being received hold {limits.max_receiving_bytes} "
+                        "bytes; retry later",
+                        "max_receiving_bytes",
+                        limits.max_receiving_bytes,
+                    )
+                received += len(chunk)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        except TimeoutError as err:
+            self.close_connection = True
+            raise Rejected(HTTPStatus.REQUEST_TIMEOUT, str(err), "read_timeout", limits.read_timeout) from err
+        finally:
+            receiving.give(received)
+
+    def _discard_body(self, left: int) -> None:
+        """Read (and drop) the `left` bytes the client still sends, until the read deadline at most.
 
         Closing a socket with unread input resets the connection, and a client still sending its
         body then sees 'broken pipe' instead of the answer already written for it.
         """
-        left = _content_length(self.headers.get("Content-Length", "0")) or 0
         try:
             while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
                 left -= len(chunk)
@@ -294,24 +370,12 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
             )
         return length
 
-    def _score(self, length: int) -> None:
+    def _score(self, raw: bytes) -> None:
         from diffrl.rewards.base import call_reward
         from diffrl.rewards.remote import LimitExceeded, decode_request, encode_response
 
         limits = self.server.limits
         start = time.perf_counter()
-        try:
-            raw = self.rfile.read(length)
-        except TimeoutError as err:
-            self.close_connection = True
-            self._answer(
-                HTTPStatus.REQUEST_TIMEOUT,
-                Rejected(HTTPStatus.REQUEST_TIMEOUT, str(err), "read_timeout", limits.read_timeout).body(),
-            )
-            return
-        if len(raw) < length:
-            self._answer(HTTPStatus.BAD_REQUEST, {"error": f"body ended after {len(raw)} of {length} bytes"})
-            return
         try:
             # Every JSON value but the innermost is followed by ',' or opens '[' / '{': counting them
             # (a fast bytes scan) bounds what json.loads allocates before it runs.
@@ -458,112 +522,6 @@ def serve_reward(
         pass
     finally:
         server.server_close()
-
-
-# ------------------------------------------------------------------------------------------- CLI
-def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
-    """`["model=/m", "batch_size=8", "a.b=[1,2]"]` -> nested dict with YAML-typed values (OmegaConf)."""
-    from omegaconf import OmegaConf
-
-    for item in items:
-        if "=" not in item or item.startswith("="):
-            raise ValueError(f"reward argument {item!r} is not key=value (e.g. model=/models/clip)")
-    container = OmegaConf.to_container(OmegaConf.from_dotlist(list(items)), resolve=True)
-    assert isinstance(container, dict)
-    return {str(k): v for k, v in container.items()}
-
-
-SERVE_EPILOG = """\
-examples:
-  diffrl serve-reward jpeg_compressibility --port 8000
-  DIFFRL_REWARD_TOKEN=$(openssl rand -hex 24) diffrl serve-reward ocr lang=eng --host 0.0.0.0 --port 8001
-  diffrl serve-reward clip_score model=/models/clip-vit-large-patch14 --max-images 64
-  diffrl serve-reward my_rewards:brightness target=0.5
-
-then train with: reward.functions.http.args.url=http://HOST:PORT
-  (and reward.functions.http.args.token_env=DIFFRL_REWARD_TOKEN when the server has a token)
-Rewards and their args, the limits and what they protect: docs/rewards.md
-"""
-
-# flag name -> help; every ServerLimits field is one flag with its default shown.
-LIMIT_HELP = {
-    "max_connections": "open connections at once; more are answered 503 at once",
-    "max_concurrent_requests": "requests being read, decoded or scored at once; more get 503",
-    "read_timeout": "seconds to receive a whole request (headers and body); slower clients are cut off",
-    "max_body_bytes": "request body size in bytes (413 beyond)",
-    "max_json_items": "JSON values in a request body (413 beyond)",
-    "max_images": "images per request, video frames counted (413 beyond)",
-    "max_image_pixels": "width x height of one image, read from its header before decoding (413 beyond)",
-    "max_request_pixels": "width x height summed over a request's images (413 beyond)",
-    "max_prompt_chars": "characters in one prompt (413 beyond)",
-}
-
-
-def limits_from_args(ns: argparse.Namespace) -> ServerLimits:
-    return ServerLimits(**{f.name: getattr(ns, f.name) for f in fields(ServerLimits)})
-
-
-def token_from_args(ns: argparse.Namespace) -> str | None:
-    """The token from the environment variable `--token-env` names (default DIFFRL_REWARD_TOKEN).
-
-    Never a command-line value: arguments are visible to every user of the machine (ps).
-    """
-    token = os.environ.get(ns.token_env)
-    if ns.token_env != TOKEN_ENV and not token:
-        raise ValueError(
-            f"--token-env {ns.token_env} names an environment variable that is not set (or empty): "
-            f"export {ns.token_env}=<a long random string>"
-        )
-    return token or None
-
-
-def cmd_serve_reward(ns: argparse.Namespace) -> int:
-    """The `diffrl serve-reward` command (logs one line per scored request to stderr)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    limits, token = limits_from_args(ns), token_from_args(ns)
-    serve_reward(ns.name, parse_key_values(ns.args), ns.host, ns.port, limits, token)
-    return 0
-
-
-def register_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `serve-reward NAME [key=value ...] [--host H] [--port P] [--token-env VAR] [limits]`."""
-    parser = subparsers.add_parser(
-        "serve-reward",
-        help="serve a registered reward over HTTP (JSON + base64 PNG)",
-        description="Serve any registered reward (or module:function) over HTTP for `reward.functions.http`. "
-        "Every request is bounded by the limits below; rejections are 4xx/503 with the limit named.",
-        epilog=SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("name", metavar="NAME", help="a registered reward, NAME@LABEL, or module:function")
-    parser.add_argument(
-        "args", nargs="*", metavar="key=value", help="the reward's args, e.g. model=/models/clip"
-    )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
-    )
-    parser.add_argument(
-        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free one)"
-    )
-    parser.add_argument(
-        "--token-env",
-        default=TOKEN_ENV,
-        metavar="VAR",
-        help=f"environment variable holding the token every request must send as 'Authorization: Bearer' "
-        f"(default {TOKEN_ENV}; unset = no authentication)",
-    )
-    defaults = ServerLimits()
-    for f in fields(ServerLimits):
-        default = getattr(defaults, f.name)
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            dest=f.name,
-            type=type(default),
-            default=default,
-            help=f"{LIMIT_HELP[f.name]} (default {default})",
-        )
-    parser.set_defaults(func=cmd_serve_reward)
-    return parser
 
 
 def _content_length(value: str | None) -> int | None:

@@ -15,6 +15,7 @@ from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.files import check_output_dir
 from diffrl.models import load_model, resolve_model_path
 from diffrl.models.base import ModelAdapter
+from diffrl.models.bounds import check_model_bounds
 from diffrl.models.sampling import GENERIC, ImageGeometry, resolve_sampling
 from diffrl.rollout import TrajectorySampler
 from diffrl.telemetry.images import save_gif
@@ -167,7 +168,8 @@ def generate(
     and `device` are its own). `lora`: a LoRA directory in the diffusers format (`diffrl export`),
     loaded on top of the model. Sampler settings left at None come from the LoRA's or the model's
     diffrl_sampling.json, else the generic defaults (`sampling_settings`). The device, the LoRA
-    directory, the image size and, for a model trained on a prompt grammar, the prompts are checked
+    directory, the image size, the steps and text length against the model directory's bounds
+    (`diffrl.models.bounds`) and, for a model trained on a prompt grammar, the prompts are checked
     before the model loads.
     """
     if not prompts:
@@ -188,6 +190,9 @@ def generate(
     if isinstance(model, ModelAdapter):
         adapter = model
     else:
+        check_model_bounds(
+            model, {"--steps": settings["steps"]}, {"--max-sequence-length": settings["max_sequence_length"]}
+        )
         device = device or default_device()
         check_device(device)
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")

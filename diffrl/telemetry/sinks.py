@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from diffrl.files import atomic_write_text
+from diffrl.files import atomic_write_text, naming
 from diffrl.telemetry.console import format_duration
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,10 @@ class JsonlSink:
             self._file = self._open(step)
         record = {"step": step, "time": round(time.time(), 3)}
         record.update({key: _json_value(value) for key, value in metrics.items()})
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        with naming(self.path):
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def log_images(self, step: int, tag: str, image_HWC: np.ndarray) -> None:
         pass

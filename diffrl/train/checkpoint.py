@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from diffrl.files import naming
 from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers import them from here)
     _FIX,
     COMPLETE_MARKER,
@@ -114,7 +115,7 @@ def _single_process_quiet():
 
 def _write_durable(path: Path, data: bytes) -> None:
     """Write `data` to `path` and flush it to the disk before the `complete` marker can vouch for it."""
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -314,9 +314,11 @@ def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
     ended = time.monotonic()
     log = zygote.log.read_text()[earlier:]
     assert code == 1
-    assert re.search(message, log), log[-3000:]
+    found = re.search(message, log)
+    assert found, log[-3000:]
     # The bound is on noticing the death, not on starting Ray and the workers (load-dependent).
     killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
+    print(f"\n{kill}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
     assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
     assert _wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
 

@@ -237,6 +237,11 @@ def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
         ),
         ("rollout.val.n=1000000000", "rollout.val.n=1000000000 x "),
         ("model.lora.rank=1000000", "model.lora.rank=1000000 is more than the transformer's width 32"),
+        (
+            "rollout.pipeline.max_sequence_length=1000000000",
+            "rollout.pipeline.max_sequence_length=1000000000 is more text tokens than "
+            "StableDiffusion3Pipeline's text encoder takes (512)",
+        ),
     ],
 )
 def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
@@ -249,6 +254,32 @@ def test_a_size_beyond_what_the_model_or_machine_holds_exits_2_naming_the_key(
     assert message in err, err
     if "images" in message:
         assert "GiB" in err and "more than this machine's" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "1000000000"], "--steps=1000000000 is more than the 1000 noise levels"),
+        (["--steps", "1001"], "--steps=1001 is more than the 1000 noise levels"),
+        (
+            ["--max-sequence-length", "1000000000"],
+            "--max-sequence-length=1000000000 is more text tokens than StableDiffusion3Pipeline's "
+            "text encoder takes (512): set --max-sequence-length <= 512",
+        ),
+    ],
+)
+def test_sample_sizes_beyond_what_the_model_holds_exit_2_before_it_loads(
+    tmp_path, capsys, tiny_model, no_model_loads, flags, message
+):
+    """`diffrl sample` checks its size flags against the model directory's files (tiny:sd3's
+    scheduler has 1000 timesteps; SD3's T5 takes 512 tokens, the diffusers pipeline's own check)."""
+    model = tiny_model("sd3")
+    trained = json.loads((model / "scheduler" / "scheduler_config.json").read_text())["num_train_timesteps"]
+    assert trained == 1000
+    argv = ["sample", "--model", str(model), "--prompt", "a cat", "--out", str(tmp_path / "s"), *flags]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
 
 
 # ------------------------------------------------------------------- (6) a full disk
@@ -314,3 +345,59 @@ def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_tempo
     from diffrl.telemetry import read_metrics
 
     assert sorted(read_metrics(run / "metrics.jsonl")) == [1, 2]  # the trained step is logged
+    assert not (run / "summary.json").exists()  # written only when a run ends whole
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (room for a tiny run), and a function that fills it to its last block."""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+
+    def fill():
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+            while True:
+                filler.write(b"x" * 4096)
+
+    yield disk, fill
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_on_a_full_disk_says_so_and_changes_nothing(tmp_path, capsys, small_disk):
+    """Issue 32, item 6: a resume (trainer.resume=auto) on a full disk ended in a traceback. It is an
+    exit 2 saying the disk is full, where, and that what was there is intact; every file of the
+    run (summary.json, metrics.jsonl, config.yaml, the checkpoint) is byte-identical afterwards."""
+    disk, fill = small_disk
+    out = disk / "runs"
+    argv = [
+        "train",
+        "tiny_sd3",
+        f"trainer.output_dir={out}",
+        "trainer.run_name=r",
+        "trainer.loggers=[jsonl]",
+        *FAST,
+    ]
+    assert exit_code(argv) == 0
+    run = out / "r"
+    assert (run / "summary.json").is_file() and (run / "checkpoints" / "step_00000001").is_dir()
+    before = _tree(run)
+    fill()
+    capsys.readouterr()
+    assert exit_code([*argv, "trainer.total_steps=2", "trainer.resume=auto"]) == 2
+    err = capsys.readouterr().err
+    assert "the disk is full (No space left on device) writing" in err and "Traceback" not in err, err
+    assert str(run) in err, err  # where
+    assert "intact" in err, err  # what was kept
+    after = _tree(run)
+    assert sorted(after) == sorted(before), set(after) ^ set(before)  # no .tmp-*, no new file
+    changed = [name for name in before if before[name] != after[name]]
+    assert changed in ([], [".lock"]), changed  # the lock holds the PID of whoever owns the folder

@@ -13,13 +13,8 @@ import torch
 
 from diffrl.rewards import build_reward
 from diffrl.rewards.remote import decode_png, decode_request, encode_png, encode_request
-from diffrl.rewards.server import (
-    ServerLimits,
-    limits_from_args,
-    parse_key_values,
-    register_cli,
-    start_reward_server,
-)
+from diffrl.rewards.serve_cli import limits_from_args, parse_key_values, register_cli
+from diffrl.rewards.server import ServerLimits, start_reward_server
 
 FAST = {"retries": 1, "backoff": 0.01}  # keep failing cases quick
 

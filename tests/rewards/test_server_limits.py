@@ -129,6 +129,38 @@ def test_each_limit_is_a_4xx_naming_itself(huge_png):
                 assert _read_all(sock).startswith(b"HTTP/1.0 411"), length[:5]
 
 
+def _png_header(width, height) -> str:
+    """A PNG that claims width x height (a valid signature and IHDR, no pixel data): what a client
+    needs to send to reach the decoder's own size checks."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+def test_an_image_over_pillows_own_cap_is_refused_with_the_servers_limit():
+    """Pillow refuses an image of more than 2 x PIL.Image.MAX_IMAGE_PIXELS (178,956,970) pixels in
+    `Image.open`, before the server sees its size: the answer still names the server's limit."""
+    pillow_cap = 2 * Image.MAX_IMAGE_PIXELS
+    side = 20_000  # 400 M pixels: over Pillow's cap and over every limit below
+    assert side * side > pillow_cap
+    for limits in (SMALL, ServerLimits(max_image_pixels=pillow_cap)):
+        with start_reward_server("jpeg_compressibility", limits=limits) as server:
+            status, answer = _post(server.url, _body([_png(8, 8), _png_header(side, side)]))
+        assert status == 413, answer
+        assert answer["limit"] == "max_image_pixels" and answer["value"] == limits.max_image_pixels, answer
+        assert f"max_image_pixels={limits.max_image_pixels}" in answer["error"]
+        assert "image 1" in answer["error"] and str(Image.MAX_IMAGE_PIXELS) not in answer["error"]
+    # a limit above what Pillow opens could never be honoured: refused when the server starts
+    with pytest.raises(ValueError, match=rf"max_image_pixels={pillow_cap + 1} is above what Pillow opens"):
+        start_reward_server("jpeg_compressibility", limits=ServerLimits(max_image_pixels=pillow_cap + 1))
+
+
 def test_token_is_required_and_compared(monkeypatch):
     pixels, prompts = torch.zeros(2, 3, 8, 8, dtype=torch.uint8), ["a", "b"]
     body = json.dumps(encode_request(pixels, prompts, None)).encode()
@@ -197,21 +229,127 @@ def _closed(sock) -> bool:
         return True
 
 
+class _HeldReward:
+    """Scores zeros once `release` is set (a slow reward model): requests holding a slot stay held."""
+
+    def __init__(self):
+        self.release, self.calls = threading.Event(), 0
+
+    def __call__(self, pixels, prompts, metadata):
+        self.calls += 1
+        assert self.release.wait(30), "the test never released the reward"
+        return torch.zeros(len(prompts))
+
+
+def _post_in_thread(url, data, results, token=None):
+    thread = threading.Thread(target=lambda: results.append(_post(url, data, token=token, timeout=30)))
+    thread.start()
+    return thread
+
+
 def test_excess_requests_and_connections_get_503_at_once():
-    with start_reward_server("jpeg_compressibility", limits=SMALL) as server:
-        holders = [_half_sent(server.url) for _ in range(SMALL.max_concurrent_requests)]
-        time.sleep(0.2)
+    reward = _HeldReward()
+    body = _body([_png(8, 8, "RGB")])
+    with start_reward_server(reward, limits=SMALL) as server:
+        # requests whose body arrived hold the slots while they are scored
+        held, threads = [], []
+        for _ in range(SMALL.max_concurrent_requests):
+            threads.append(_post_in_thread(server.url, body, held))
+        deadline = time.monotonic() + 10
+        while reward.calls < 1 and time.monotonic() < deadline:  # one scores, the others wait for it
+            time.sleep(0.05)
+        time.sleep(0.3)
         start = time.monotonic()
-        status, answer = _post(server.url, _body([_png(8, 8, "RGB")]))
-        assert status == 503 and answer["limit"] == "max_concurrent_requests"
+        status, answer = _post(server.url, body)
+        assert status == 503 and answer["limit"] == "max_concurrent_requests", answer
         assert time.monotonic() - start < SMALL.read_timeout  # refused at once, not after a wait
-        idle = [_connect(server.url) for _ in range(SMALL.max_connections - len(holders))]
+        reward.release.set()
+        for thread in threads:
+            thread.join(30)
+        assert [status for status, _ in held] == [200] * SMALL.max_concurrent_requests
+        idle = [_connect(server.url) for _ in range(SMALL.max_connections)]
         time.sleep(0.2)
         sock = _connect(server.url)
         answer = _read_all(sock).decode()
         assert " 503 " in answer.splitlines()[0] and '"limit": "max_connections"' in answer
-        for s in [*holders, *idle, sock]:
+        for s in [*idle, sock]:
             s.close()
+
+
+def _trickle(url, token, length, stop, answers):
+    """Full headers announcing `length` bytes, then the body one byte every 0.1 s (the issue's attack)."""
+    sock = _connect(url)
+    sock.sendall(
+        (
+            f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Length: {length}\r\n\r\n"
+        ).encode()
+    )
+    data = b""
+    for _ in range(length):
+        if stop.is_set() or _readable(sock):
+            break
+        try:
+            sock.send(b" ")
+        except OSError:
+            break
+        time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        sock.settimeout(10)
+        data = _read_all(sock)
+    sock.close()
+    answers.append(data.split(b" ")[1].decode() if data.startswith(b"HTTP/") else "closed")
+
+
+def test_clients_trickling_their_bodies_do_not_hold_the_request_slots():
+    """Issue 32, item 7: with a token, four clients that send whole headers announcing 1000 bytes and
+    then trickle the body used to hold all four request slots, and everyone else got 503 for the
+    whole read deadline. A body is now received before its request takes a slot: the normal client
+    is scored while they trickle, and they are cut off at the read deadline (408)."""
+    limits = ServerLimits(max_concurrent_requests=4, read_timeout=4.0)
+    token = "s3cret-token"
+    with start_reward_server("jpeg_compressibility", limits=limits, token=token) as server:
+        stop, answers = threading.Event(), []
+        tricklers = [
+            threading.Thread(target=_trickle, args=(server.url, token, 1000, stop, answers))
+            for _ in range(limits.max_concurrent_requests)
+        ]
+        for thread in tricklers:
+            thread.start()
+        time.sleep(1.0)  # every trickler has sent its headers and some of its body
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")] * 2), token=token)
+        assert status == 200 and len(answer["scores"]) == 2, answer
+        assert not answers, "a trickler was answered before the read deadline"
+        for thread in tricklers:
+            thread.join(limits.read_timeout + 10)
+        stop.set()
+        assert answers == ["408"] * limits.max_concurrent_requests
+
+
+def test_bodies_being_received_are_bounded_by_the_bytes_that_arrived():
+    """What requests still receiving their bodies hold is counted in bytes that arrived (not in
+    announced lengths): past max_receiving_bytes a further body gets 503 naming it, while a client
+    that announced a large body but sent little holds little."""
+    limits = ServerLimits(
+        max_connections=8, read_timeout=4.0, max_body_bytes=1 << 20, max_receiving_bytes=(1 << 20) + (1 << 19)
+    )
+    with start_reward_server("jpeg_compressibility", limits=limits) as server:
+        # announced 1 MiB each, sent 10 bytes: 20 bytes held, a normal request is served
+        small = [_half_sent(server.url, length=1 << 20) for _ in range(2)]
+        time.sleep(0.3)
+        assert _post(server.url, _body([_png(8, 8, "RGB")]))[0] == 200
+        # one client sends 1 MiB - 1 byte of its body and stalls: 1 MiB of the 1.5 MiB held
+        big = _half_sent(server.url, length=1 << 20)
+        big.sendall(b" " * ((1 << 20) - 2))
+        time.sleep(0.5)
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")], ["x" * (900 << 10)]))
+        assert status == 503 and answer["limit"] == "max_receiving_bytes", answer
+        assert answer["value"] == limits.max_receiving_bytes
+        assert _post(server.url, _body([_png(8, 8, "RGB")]))[0] == 200  # a small body still fits
+        for sock in [*small, big]:
+            sock.close()
+    with pytest.raises(ValueError, match=r"max_receiving_bytes=10 is below max_body_bytes=20"):
+        ServerLimits(max_body_bytes=20, max_receiving_bytes=10)
 
 
 # ------------------------------------------------------------------------------------ load test
