@@ -72,6 +72,9 @@ class TrainingLoop:
         self.run_dir = run_dir
         self.placement = placement if placement is not None else Colocated(cfg, workers)
         self.workers = self.placement.trainer  # what trains (and, colocated, also samples)
+        # whether each worker keeps the trajectories it samples for its own training share (a loop
+        # whose schedule deals every worker its own groups sets it: policy_gradient.py)
+        self.keep_rollouts = False
         self.rewards = rewards
         self.logger = logger
         self.sampler = PromptSampler(
@@ -133,7 +136,9 @@ class TrainingLoop:
 
     def _sample(self, records: list[PromptRecord], step: int, policy: str) -> PendingRollout:
         uids = [f"{step}:{i}" for i in range(len(records))]
-        return self.placement.sample(records, uids, step=step, rewards=self.rewards, policy=policy)
+        return self.placement.sample(
+            records, uids, step=step, rewards=self.rewards, policy=policy, keep=self.keep_rollouts
+        )
 
     def _ends_with_checkpoint(self, step: int) -> bool:
         save_freq = self.cfg.trainer.save_freq

@@ -45,7 +45,8 @@ from diffrl.workers.group import (
     wait_any,
     wait_done,
 )
-from diffrl.workers.roles import PromptShard, fetched
+from diffrl.workers.roles import PromptShard
+from diffrl.workers.staging import fetched
 
 _POLL_S = 1.0  # how often the request stream checks whether the run is stopping
 
@@ -156,8 +157,12 @@ class Placement(ABC):
         step: int,
         rewards: Any,
         policy: str = POLICY,
+        keep: bool = False,
     ) -> PendingRollout:
-        """Start sampling `rollout.n` trajectories per prompt; each micro-batch is scored as it decodes."""
+        """Start sampling `rollout.n` trajectories per prompt; each micro-batch is scored as it decodes.
+        `keep`: colocated, each worker keeps the part it sampled and the result's parts are `Kept`
+        markers, for the loop to stage each on its own worker (diffrl.workers.staging); with
+        separate placement the replicas hand their parts over whatever `keep` says."""
 
     @abstractmethod
     def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
@@ -182,6 +187,7 @@ class Colocated(Placement):
         step: int,
         rewards: Any,
         policy: str = POLICY,
+        keep: bool = False,
     ) -> PendingRollout:
         world, n = self.trainer.size, self.cfg.rollout.n
         per_worker = len(records) // world
@@ -194,8 +200,15 @@ class Colocated(Placement):
             )
             for rank in range(world)
         ]
+        options = {"keep": True} if keep else {}
         futures = self.trainer.scatter_async(
-            "sample_and_score", shards, seed=self.cfg.rollout_seed, step=step, rewards=rewards, policy=policy
+            "sample_and_score",
+            shards,
+            seed=self.cfg.rollout_seed,
+            step=step,
+            rewards=rewards,
+            policy=policy,
+            **options,
         )
         return PendingRollout(futures, self.timeout_s)
 
@@ -255,6 +268,7 @@ class Separate(Placement):
         step: int,
         rewards: Any,
         policy: str = POLICY,
+        keep: bool = False,
     ) -> PendingRollout:
         kwargs = {"seed": self.cfg.rollout_seed, "step": step, "rewards": rewards, "policy": policy}
         future = self._pump.submit(self._stream, self.requests(records, uids), kwargs)

@@ -36,13 +36,15 @@ from diffrl.algos.nft import timestep_subset, timestep_subset_mask
 from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
-from diffrl.controller.minibatches import mini_batches
+from diffrl.controller.minibatches import local_owners, mini_batches
+from diffrl.controller.placement import Colocated
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops, peak_over_workers
 from diffrl.train.batch import TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.transition import RolloutSummary
+from diffrl.workers.group import gather
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 
@@ -59,6 +61,11 @@ class PolicyGradientTrainer(TrainingLoop):
         rc = cfg.algorithm.rollout_correction
         self.corrects_rollout = rc.is_level != "none" or rc.rejection != "none"
         self.peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
+        # Colocated, a schedule stratified by the worker that sampled each group lets every worker
+        # train on its own trajectories: they stay where they were made (controller.minibatches)
+        colocated = isinstance(self.placement, Colocated)
+        self.owners = local_owners(cfg, cfg.data.prompts_per_step, self.workers.size) if colocated else 1
+        self.keep_rollouts = self.owners > 1
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -66,8 +73,15 @@ class PolicyGradientTrainer(TrainingLoop):
         self.timer.reset()
         with self.timer.phase("gen"):
             _, staged, sampling_metrics = self.rollout_for_step()
-            # the trajectories go from the samplers to the trainer ranks; this process keeps the summary
-            self.workers.call("stage", staged.parts)
+            # the trajectories go from the samplers to the trainer ranks (or stay on the worker that
+            # sampled them, `keep_rollouts`); this process keeps the summary
+            if self.keep_rollouts:
+                size = len(staged.summary) // self.workers.size
+                self._on_each_worker(
+                    "stage", [(([part],), {"first_row": r * size}) for r, part in enumerate(staged.parts)]
+                )
+            else:
+                self.workers.call("stage", staged.parts)
         rollout = staged.summary
         with self.timer.phase("reward"):
             scores = gather_rewards(rollout.extras.pop("reward_handles"), self.cfg.trainer.worker_timeout_s)
@@ -98,7 +112,16 @@ class PolicyGradientTrainer(TrainingLoop):
                 means["ref_means"] = self._log_probs(rollout, REFERENCE)[1]
 
         with self.timer.phase("update_actor"):
-            self.workers.call("stage_targets", targets, means)
+            if self.keep_rollouts:  # each worker's SDE means are its own rows' (`_log_probs`)
+                self._on_each_worker(
+                    "stage_targets",
+                    [
+                        ((targets, {k: [v[r]] for k, v in means.items()}), {})
+                        for r in range(self.workers.size)
+                    ],
+                )
+            else:
+                self.workers.call("stage_targets", targets, means)
             metrics.update(self._update(len(rollout)))
 
         images = len(rollout)
@@ -133,8 +156,13 @@ class PolicyGradientTrainer(TrainingLoop):
         of the samples; the SDE means stay handed over (object references under Ray), in order."""
         size = len(rollout) // self.workers.size
         shares = [slice(i * size, (i + 1) * size) for i in range(self.workers.size)]
-        parts = self.workers.scatter("staged_log_probs", shares, policy=policy)
+        parts = self.workers.scatter("staged_log_probs", shares, policy=policy, keep=self.keep_rollouts)
         return torch.cat([log_probs for log_probs, _ in parts]), [means for _, means in parts]
+
+    def _on_each_worker(self, method: str, calls: list[tuple[tuple, dict]]) -> list[Any]:
+        """`method(*args, **kwargs)` with each worker's own arguments, in rank order."""
+        futures = [self.workers.submit(rank, method, *args, **kw) for rank, (args, kw) in enumerate(calls)]
+        return gather(futures, timeout=self.cfg.trainer.worker_timeout_s)
 
     def _update(self, images: int) -> dict[str, float]:
         """One optimizer step per mini-batch of whole prompt groups (`trainer.minibatches`), each
@@ -144,7 +172,7 @@ class PolicyGradientTrainer(TrainingLoop):
         sp = self.cfg.actor.sequence_parallel_size
         sums: dict[str, float] = defaultdict(float)
         count = 0
-        for mini in mini_batches(self.cfg, images // self.cfg.rollout.n, self.step):
+        for mini in mini_batches(self.cfg, images // self.cfg.rollout.n, self.step, self.owners):
             # the sp consecutive ranks of one sequence-parallel group train the same rows
             shards = [shard for shard in mini.shards(world // sp, micro) for _ in range(sp)]
             results = self.workers.scatter("staged_forward_backward", shards)

@@ -17,7 +17,6 @@ losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FL
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine
 from diffrl.train.lora import inject_lora, merged_adapter
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
+from diffrl.workers.staging import LocalStore, StagedRows, handed_over
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,15 @@ class RolloutWorker:
         the weight version in its extras) and the rollout itself on the CPU for the trainer ranks:
         in a Ray worker as an object reference, which the controller passes on without fetching
         the tensors (`ActorWorker.stage`)."""
+        summary, rollout = self.sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+        return summary, handed_over(rollout)
+
+    def sample_scored(
+        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
+    ) -> tuple[RolloutSummary, Rollout]:
+        """`sample_and_score`'s summary and rollout (on the CPU, without extras), in process."""
         rollout = self._sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
-        summary = rollout.summary()
-        return summary, _handed_over(replace(rollout, extras={}))
+        return rollout.summary(), replace(rollout, extras={})
 
     def _sample_scored(
         self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str
@@ -235,28 +241,6 @@ class RolloutWorker:
             self._weight_sync = None
 
 
-def _handed_over(rollout: Rollout) -> Any:
-    """The rollout for the trainer ranks: in a Ray worker an object reference to it (it stays in
-    Ray's object store until a trainer rank fetches it), in process the object itself."""
-    if "ray" in sys.modules:
-        import ray
-
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-            return ray.put(rollout)
-    return rollout
-
-
-def fetched(parts: Sequence[Any]) -> list[Rollout]:
-    """`_handed_over`'s results as rollouts, in order (object references fetched in one call)."""
-    if "ray" not in sys.modules:
-        return list(parts)
-    import ray
-
-    refs = [part for part in parts if isinstance(part, ray.ObjectRef)]
-    values = iter(ray.get(refs)) if refs else iter(())
-    return [next(values) if isinstance(part, ray.ObjectRef) else part for part in parts]
-
-
 def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
     import hashlib
 
@@ -300,8 +284,8 @@ class ActorWorker:
         self._sequence_parallel = for_training(adapter, cfg)
         self._text_len = 0
         self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
-        self._staged: Rollout | None = None  # the step's rollout (`stage`)
-        self._staged_targets: TrainingTargets | None = None
+        self._staged: StagedRows | None = None  # this rank's rows of the step's rollout (`stage`)
+        self._kept = LocalStore()  # what this worker sampled or computed for its own rows
         # Supervised training only (`flow_matching_backward`): filled on first use.
         self._training_sigmas: torch.Tensor | None = None
         self._prompt_cache: dict[str, Any] = {}
@@ -451,36 +435,32 @@ class ActorWorker:
         return log_probs.cpu(), means.cpu()
 
     # ------------------------------------------------- the step's rollout, held here (policy gradient)
-    def stage(self, parts: Sequence[Any]) -> None:
-        """Take this step's rollout: the samplers' pieces in order, object references fetched here
-        (`RolloutWorker.sample_and_score`), joined as the controller's summary was. Later calls
-        name samples by row; the tensors never pass through the controller."""
-        self._staged = concat_rollouts(fetched(parts))
-        self._staged_targets = None
+    def stage(self, parts: Sequence[Any], first_row: int = 0) -> None:
+        """Take this rank's rows of the step's rollout: the samplers' pieces in order, starting at
+        row `first_row` (object references fetched here, `Kept` markers resolved from this
+        worker's own store: diffrl.workers.staging). Later calls name samples by the step's row
+        numbers; the tensors never pass through the controller."""
+        self._staged = StagedRows(concat_rollouts(self._kept.resolve(parts)), first_row)
 
-    def staged_log_probs(self, rows: slice, policy: str = POLICY) -> tuple[torch.Tensor, Any]:
+    def staged_log_probs(
+        self, rows: slice, policy: str = POLICY, keep: bool = False
+    ) -> tuple[torch.Tensor, Any]:
         """(log-probs [R, W] on the CPU, the SDE means) of the staged rows under `policy`. The means
-        are latent-sized: in a Ray worker they come back as an object reference, for `stage_targets`
-        on whichever ranks train those rows."""
-        log_probs, means = self.log_probs(self._staged.select(rows).compact(), policy)
-        return log_probs, _handed_over(means)
+        are latent-sized: handed over (an object reference in a Ray worker) for `stage_targets` on
+        whichever ranks train those rows, or with `keep` kept here for this rank's own."""
+        staged = self._staged.rollout.select(self._staged.local(rows)).compact()
+        log_probs, means = self.log_probs(staged, policy)
+        return log_probs, self._kept.keep(f"means/{policy}", means) if keep else handed_over(means)
 
     def stage_targets(self, targets: TrainingTargets, means: Mapping[str, Sequence[Any]]) -> None:
         """The step's per-sample training targets: the controller's (advantages, old log-probs,
-        weights, step mask) plus the SDE means `staged_log_probs` computed, by field name
-        (`old_means`, `ref_means`), each a list of the workers' pieces in row order."""
-        for name, pieces in means.items():
-            setattr(targets, name, torch.cat(fetched(pieces)))
-        self._staged_targets = targets
+        weights, step mask; all rows) plus the SDE means `staged_log_probs` computed, by field name
+        (`old_means`, `ref_means`), each the pieces that cover this rank's rows, in row order."""
+        self._staged.set_targets(targets, {name: self._kept.resolve(p) for name, p in means.items()})
 
     def staged_forward_backward(self, micro_rows: Sequence[torch.Tensor]) -> dict[str, float]:
         """`forward_backward` of the staged rows, one micro-batch per entry of `micro_rows`."""
-        if self._staged_targets is None:
-            raise RuntimeError(
-                "staged_forward_backward before stage_targets: the controller sets the targets first"
-            )
-        batch = PolicyGradientBatch(self._staged, self._staged_targets)
-        return self.forward_backward([batch.select(rows).compact() for rows in micro_rows])
+        return self.forward_backward([self._staged.batch(rows) for rows in micro_rows])
 
     def copy_adapter(self, src: str, dst: str) -> None:
         self.engine.copy_adapter(src, dst)
@@ -597,9 +577,23 @@ class HybridWorker(ActorWorker):
         return self.rollout.sample(prompts, **kwargs)
 
     def sample_and_score(
-        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
+        self,
+        shard: PromptShard,
+        *,
+        seed: int,
+        step: int,
+        rewards: Any,
+        policy: str = POLICY,
+        keep: bool = False,
     ) -> tuple[RolloutSummary, Any]:
-        return self.rollout.sample_and_score(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+        """`RolloutWorker.sample_and_score`; with `keep` the rollout stays here and a `Kept`
+        marker stands for it (the controller stages it on this rank: diffrl.workers.staging)."""
+        if not keep:
+            return self.rollout.sample_and_score(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+        summary, rollout = self.rollout.sample_scored(
+            shard, seed=seed, step=step, rewards=rewards, policy=policy
+        )
+        return summary, self._kept.keep("rollout", rollout)
 
     def set_weight_version(self, version: int) -> None:
         """Colocated weights change in place; only the version the rollouts record moves."""
