@@ -676,6 +676,10 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     if (finished := skip_if_finished(cfg.trainer)) is not None:
         return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
+    if cfg.trainer.check_at_start:
+        from diffrl.controller.check import check_at_start
+
+        check_at_start(cfg, train_records, val_records)
     with job(cfg, source, rl=True) as j:
         loop_args = dict(
             placement=j.workers,

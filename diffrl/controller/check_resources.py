@@ -1,0 +1,253 @@
+"""`diffrl check`: rewards, memory and weight sync, through the run's own workers.
+
+- `reward_rows`: each reward of `reward.functions` scores the sampler's pixels through the run's
+  scoring path (`MultiReward`, `call_reward`): one finite score per sample; a remote (`http`)
+  scorer within its `timeout`.
+- `memory_rows`: one micro-batch of each phase at the preset's sizes (sampling at
+  `rollout.micro_batch_size`, the old-log-prob recompute and the update at
+  `actor.micro_batch_size`, with the optimizer step) on the run's worker; its peak memory against
+  this device's.
+- `weight_sync_rows` (separate placement): the replicas' weights against the trainer's, by
+  sha256 digests of every state-dict tensor (LoRA adapters included), after the first (full) sync
+  and again after one update and an adapter-only sync, through `Separate.sync_weights`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from diffrl.config.schema import Config
+from diffrl.controller.check_report import CheckRow, fmt, row, skipped
+from diffrl.rewards.multi import MultiReward, reward_specs
+from diffrl.rewards.registry import base_name
+from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
+from diffrl.transition import Rollout
+
+#: A phase fits when its peak stays below this fraction of the device's memory.
+MEMORY_HEADROOM = 0.9
+
+
+def reward_rows(cfg: Config, rollout: Rollout) -> list[CheckRow]:
+    """Each reward on the sampler's decoded samples, as `required` (so a failure shows its cause)."""
+    if not cfg.reward.functions:
+        return [skipped("reward", "reward.functions is empty (offline DPO trains without rewards)")]
+    rows = []
+    pixels, prompts, metadata = rollout.samples.pixels, rollout.sample_prompts(), rollout.sample_metadata()
+    batch = int(pixels.shape[0])
+    for spec in reward_specs(cfg.reward.functions):
+        name = f"reward {spec.name}"
+        remote = base_name(spec.name) == "http"
+        deadline = float(spec.args.get("timeout", 300.0)) if remote else None
+        start = time.perf_counter()
+        try:
+            scores_B = MultiReward([replace(spec, required=True)])(pixels, prompts, metadata).scores[
+                spec.name
+            ]
+        except Exception as err:  # a reward's own failure is this check's finding, not a crash
+            cause = err.__cause__ or err
+            rows.append(
+                row(
+                    name,
+                    f"raised {type(cause).__name__}",
+                    f"{batch} finite scores",
+                    False,
+                    f"{cause} (reward.functions.{spec.name})",
+                )
+            )
+            continue
+        seconds = time.perf_counter() - start
+        finite = bool(torch.isfinite(scores_B).all())
+        ok = scores_B.shape == (batch,) and finite and (deadline is None or seconds <= deadline)
+        within = f", <= {deadline:g} s" if deadline is not None else ""
+        rows.append(
+            row(
+                name,
+                f"{scores_B.numel()} scores, {'finite' if finite else 'NOT finite'}, {seconds:.2f} s",
+                f"{batch} finite scores{within}",
+                ok,
+                f"reward.functions.{spec.name} returned {tuple(scores_B.shape)} scores for {batch} samples"
+                + ("" if finite else " with non-finite values")
+                + (
+                    f" in {seconds:.1f} s, past its timeout of {deadline:g} s"
+                    if deadline and seconds > deadline
+                    else ""
+                ),
+            )
+        )
+    return rows
+
+
+def _capacity(device: torch.device) -> int | None:
+    from diffrl.train.parallel import device_memory_bytes
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return device_memory_bytes(1)
+
+
+def _peak_gb(metrics: dict[str, float], device: torch.device) -> float:
+    """The phase's peak from `memory_metrics`: CUDA's reserved memory since the last call, or on
+    the CPU the process's peak resident memory so far (an upper bound of the phase's)."""
+    if device.type == "cuda":
+        return metrics["perf/max_memory_reserved_gb"]
+    return metrics["perf/max_rss_gb"]
+
+
+def measure_phase(
+    name: str, key: str, size: int, device: torch.device, memory: Callable[[], dict], run: Callable[[], Any]
+) -> tuple[CheckRow, Any]:
+    """Run one phase between two `memory` readings; its row, and what `run` returned (None when it
+    ran out of memory)."""
+    capacity = _capacity(device)
+    memory()  # resets CUDA's peaks
+    try:
+        result = run()
+    except torch.OutOfMemoryError:
+        return (
+            row(
+                f"memory: {name}",
+                "out of memory",
+                "fits",
+                False,
+                f"one micro-batch of {size} ran out of memory on {device}: set {key}={max(1, size // 2)} "
+                "(or model.gradient_checkpointing=true / actor.param_offload=true for the update)",
+            ),
+            None,
+        )
+    peak = _peak_gb(memory(), device)
+    what = "peak" if device.type == "cuda" else "peak RSS"
+    if capacity is None:
+        return row(f"memory: {name}", f"{what} {fmt(peak)} GB", "device size unknown", True), result
+    limit = MEMORY_HEADROOM * capacity / 2**30
+    return (
+        row(
+            f"memory: {name}",
+            f"{what} {fmt(peak)} GB of {fmt(capacity / 2**30)} GB",
+            f"<= {fmt(limit)} GB",
+            peak <= limit,
+            f"one micro-batch of {size} peaks at {fmt(peak)} GB, past {MEMORY_HEADROOM:.0%} of {device}'s "
+            f"{fmt(capacity / 2**30)} GB: set {key}={max(1, size // 2)}",
+        ),
+        result,
+    )
+
+
+def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckRow]:
+    """Peak memory of one micro-batch of each phase, at the preset's sizes, on `worker` (a
+    HybridWorker: the sampler and the engine of a colocated run)."""
+    device = worker.engine.adapter.device
+    n, sample_micro, train_micro = cfg.rollout.n, cfg.rollout.micro_batch_size, cfg.actor.micro_batch_size
+    groups = max(1, -(-sample_micro // n))
+    batch_prompts = [prompts[i % len(prompts)] for i in range(groups)]
+    seed = cfg.rollout_seed
+    rows = []
+    sample_row, rollout = measure_phase(
+        "sampling",
+        "rollout.micro_batch_size",
+        sample_micro,
+        device,
+        worker.memory,
+        lambda: worker.sample(batch_prompts, seed=seed, step=1),
+    )
+    rows.append(sample_row)
+    if rollout is None:
+        return rows
+    from diffrl.algos import DIRECT_PREFERENCE
+
+    if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
+        rows.append(
+            skipped(
+                "memory: update",
+                "direct-preference updates are not measured by the check yet (the sampling phase is)",
+            )
+        )
+        return rows
+    micro = rollout.select(slice(0, train_micro)).compact()
+    if not cfg.reuses_rollout_log_probs or cfg.actor.loss.kl_coef > 0:
+        recompute_row, _ = measure_phase(
+            "log-prob recompute",
+            "actor.micro_batch_size",
+            len(micro),
+            device,
+            worker.memory,
+            lambda: worker.log_probs(micro),
+        )
+        rows.append(recompute_row)
+    targets = TrainingTargets(advantages_B=torch.randn(len(micro)), batch_size=[len(micro)])
+
+    def update() -> dict:
+        worker.forward_backward([PolicyGradientBatch(micro, targets)])
+        return worker.optim_step()
+
+    update_row, _ = measure_phase(
+        "update", "actor.micro_batch_size", len(micro), device, worker.memory, update
+    )
+    rows.append(update_row)
+    return rows
+
+
+def _compare_digests(
+    check: str, trainer: dict[str, str], replicas: list[dict[str, str]], fix: str
+) -> CheckRow:
+    lora = sum(1 for k in trainer if "lora" in k)
+    differ = sorted(
+        {k for d in replicas for k in trainer if d.get(k) != trainer[k]}
+        | {k for d in replicas for k in d if k not in trainer}
+    )
+    return row(
+        check,
+        f"{len(trainer) - len(differ)}/{len(trainer)} tensors equal ({lora} LoRA) on {len(replicas)} replica(s)",
+        "every tensor equal",
+        not differ,
+        f"{len(differ)} tensor(s) differ between the trainer and a replica, e.g. {differ[:3]}: {fix}",
+    )
+
+
+def weight_sync_rows(
+    cfg: Config, placement: Any, prompts: Sequence[str]
+) -> tuple[list[CheckRow], Rollout, Any]:
+    """Replicas against the trainer after a full sync, then after one update and a second sync
+    (adapters only with LoRA). Returns the rows, a rollout a replica sampled with the synced
+    weights, and the trainer's recomputed log-probs of it."""
+    timeout = cfg.trainer.worker_timeout_s
+    fix = (
+        "the weight sync did not deliver them (rollout.weight_sync settings, the replicas' LoRA layout); "
+        "the replicas would sample with other weights than the trainer trains"
+    )
+    rows = []
+    placement.sync_weights(0)
+    trainer = placement.trainer.call("weight_digest")[0]
+    rows.append(
+        _compare_digests(
+            "weights: replicas = trainer (full sync)", trainer, placement.replicas.call("weight_digest"), fix
+        )
+    )
+    rollout = placement.replicas.submit(0, "sample", list(prompts), seed=cfg.rollout_seed, step=0).result(
+        timeout
+    )
+    recomputed, _ = placement.trainer.call("log_probs", rollout)[0]
+    # One update, so the trainer's weights differ from what every replica loaded itself.
+    targets = TrainingTargets(advantages_B=torch.randn(len(rollout)), batch_size=[len(rollout)])
+    placement.trainer.call("forward_backward", [PolicyGradientBatch(rollout, targets)])
+    placement.trainer.call("optim_step")
+    updated = placement.trainer.call("weight_digest")[0]
+    placement.sync_weights(1)
+    after = placement.replicas.call("weight_digest")
+    changed = sum(1 for k in updated if updated[k] != trainer.get(k))
+    sync_kind = "adapters only" if cfg.model.lora.rank > 0 else "full"
+    result = _compare_digests(f"weights: replicas = trainer (update + {sync_kind} sync)", updated, after, fix)
+    if changed == 0:
+        result = row(
+            result.check,
+            "the update changed no tensor",
+            "an update changes the weights",
+            False,
+            "the trainer's update changed nothing, so the sync cannot be verified: check actor.optim.lr",
+        )
+    rows.append(result)
+    return rows, rollout, recomputed
