@@ -1,0 +1,163 @@
+"""`diffrl check`: passes on the CPU presets, and each planted mismatch fails the check that names it.
+
+The references are independent of the code under check: the family's own diffusers pipeline (the
+sampler's latents and the transformer inputs it records), the trainer's recomputation on the same
+weights, the rewards' own outputs. Each broken setup plants one mismatch of the kind users hit (a
+shift that never reached the sampler, a trainer that computes in bf16 while the sampler ran fp32,
+a reward that returns one score too few, weights that never reached a replica) and asserts that
+exactly the check naming it fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from diffrl.cli import main
+from diffrl.config import load_config
+from diffrl.config.catalog import preset_names
+from diffrl.controller.check import check
+from diffrl.controller.check_report import FAIL, PASS, SKIP
+from diffrl.controller.check_resources import weight_sync_rows
+from diffrl.controller.placement import Separate
+from diffrl.models.sd3 import SD3Adapter
+from diffrl.schedules import flow_match_schedule
+from diffrl.train import engine
+from diffrl.transition import evaluate_window
+from diffrl.workers.group import InProcessGroup
+from diffrl.workers.roles import ActorWorker, RolloutWorker
+
+SAMPLING_ROWS = (
+    "sampler = pipeline",
+    "shift (timesteps)",
+    "guidance / true CFG",
+    "resolution / frames",
+    "text length",
+)
+
+
+def cpu_presets() -> list[str]:
+    """Presets whose model is built in (toy: or tiny:), i.e. that run on a CPU without downloads;
+    `shapes_sft` trains with `diffrl sft`, not the RL loop `diffrl check` checks."""
+    names = []
+    for name in preset_names():
+        path = load_config(name, []).model.path
+        if path.startswith(("toy:", "tiny:")) and name != "shapes_sft":
+            names.append(name)
+    return names
+
+
+def _verdicts(report) -> dict[str, str]:
+    return {r.check: r.verdict for r in report.rows}
+
+
+@pytest.mark.parametrize("preset", cpu_presets())
+def test_quick_check_passes_on_every_cpu_preset(preset):
+    report = check(preset, [], quick=True)
+    verdicts = _verdicts(report)
+    assert report.exit_code == 0, report.table()
+    for name in SAMPLING_ROWS:
+        assert verdicts[name] == PASS, report.table()
+    cfg = load_config(preset, [])
+    log_prob_rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
+    if cfg.algorithm.trainer_type == "policy_gradient" and cfg.trainer.placement == "colocated":
+        window = cfg.rollout.sde_window_size
+        assert len(log_prob_rows) == window and all(r.verdict == PASS for r in log_prob_rows)
+    if cfg.reward.functions:
+        assert all(verdicts[f"reward {name}"] == PASS for name in cfg.reward.functions)
+
+
+def test_full_check_measures_memory_of_each_phase():
+    report = check("tiny_sd3", [])
+    verdicts = _verdicts(report)
+    assert report.exit_code == 0, report.table()
+    assert verdicts["memory: sampling"] == verdicts["memory: update"] == PASS
+    # tiny_sd3 reuses the rollout's log-probs (colocated, eager): no recompute phase to measure
+    assert "memory: log-prob recompute" not in verdicts
+    assert verdicts["weights: replicas = trainer"] == SKIP
+
+
+def _shift_one(self, num_steps, height, width, num_frames=1):
+    """A sampler whose schedule dropped the model's shift (3.0 in the tiny SD3's scheduler config)."""
+    config = dict(self.scheduler_config, shift=1.0)
+    seq = self.image_seq_len(height, width, num_frames)
+    return flow_match_schedule(config, num_steps, seq, pipeline_convention=self.schedule_convention)
+
+
+def test_a_dropped_shift_fails_the_pipeline_and_shift_checks(monkeypatch):
+    assert load_config("tiny_sd3", []).model.path == "tiny:sd3"
+    monkeypatch.setattr(SD3Adapter, "schedule", _shift_one)
+    report = check("tiny_sd3", [], quick=True)
+    verdicts = _verdicts(report)
+    assert report.exit_code == 1
+    assert verdicts["sampler = pipeline"] == FAIL and verdicts["shift (timesteps)"] == FAIL
+    # the other settings did reach both
+    assert verdicts["guidance / true CFG"] == verdicts["text length"] == PASS
+    assert "StableDiffusion3Pipeline" in report.row("shift (timesteps)").note
+
+
+def _bf16_transition(adapter, rollout, micro_batch_size):
+    """The trainer replays the bf16-rounded transition while the sampler computed on fp32 latents."""
+    samples = rollout.samples.clone()
+    samples.window_latents = samples.window_latents.bfloat16().float()
+    return evaluate_window(adapter, replace(rollout, samples=samples), micro_batch_size)
+
+
+def test_a_trainer_in_bf16_fails_the_log_prob_check_where_the_run_reuses_them(monkeypatch):
+    monkeypatch.setattr(engine, "evaluate_window", _bf16_transition)
+    report = check("tiny_sd3", [], quick=True)
+    rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
+    assert rows and all(r.verdict == FAIL for r in rows), report.table()
+    assert "algorithm.old_log_probs=recompute" in rows[0].note
+    assert report.row("sampler = pipeline").verdict == PASS  # the sampler itself is right
+    # A run that recomputes the old log-probs corrects the gap: measured, finite, not a failure.
+    report = check("tiny_sd3", ["algorithm.old_log_probs=recompute"], quick=True)
+    rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
+    assert all(r.verdict == PASS and r.measured != "max |gap| 0" for r in rows), report.table()
+
+
+@pytest.mark.parametrize(("reward", "cause"), [("one_short", "1 scores for 2"), ("not_finite", "non-finite")])
+def test_a_reward_with_the_wrong_count_or_nan_fails_its_row(reward, cause):
+    report = check("tiny_sd3", [f"reward.functions.python.args.function=check_helpers:{reward}"], quick=True)
+    verdicts = _verdicts(report)
+    assert report.exit_code == 1
+    assert verdicts["reward python"] == FAIL and verdicts["reward jpeg_compressibility"] == PASS
+    assert cause in report.row("reward python").note
+
+
+def test_cli_exit_codes(monkeypatch, capsys):
+    assert main(["check", "tiny_sd3", "rollout.n=zero"]) == 2
+    assert "rollout.n" in capsys.readouterr().err
+    assert main(["check", "tiny_sd3", "model.path=/nonexistent/model"]) == 2
+    monkeypatch.setattr(SD3Adapter, "schedule", _shift_one)
+    assert main(["check", "tiny_sd3", "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: sampler = pipeline, shift (timesteps)" in out
+
+
+@pytest.fixture
+def separate_pools():
+    """The separate placement's own classes (Separate, ActorWorker, RolloutWorker, the gloo weight
+    sync group) with each worker in a thread of this process instead of a Ray actor."""
+    cfg = load_config("tiny_sd3", ["trainer.placement=separate"])
+    trainer = InProcessGroup(ActorWorker, 1, cfg)
+    replicas = InProcessGroup(RolloutWorker, 1, cfg)
+    placement = Separate(cfg, trainer, replicas, backend="gloo")
+    yield cfg, placement
+    placement.shutdown()
+    for group in (trainer, replicas):
+        group.call("close_weight_sync")
+        group.shutdown()
+
+
+def test_weight_sync_check_passes_and_fails_when_weights_never_reach_a_replica(separate_pools, monkeypatch):
+    cfg, placement = separate_pools
+    rows, rollout, recomputed = weight_sync_rows(cfg, placement, ["a red circle"])
+    assert [r.verdict for r in rows] == [PASS, PASS], rows
+    assert "LoRA" in rows[1].check or "adapters only" in rows[1].check
+    assert recomputed.shape == rollout.samples.log_probs_BW.shape
+    # The same pools, with syncs that never deliver: the trainer's update stays on the trainer.
+    monkeypatch.setattr(Separate, "sync_weights", lambda self, version, full=False: {})
+    rows, _, _ = weight_sync_rows(cfg, placement, ["a red circle"])
+    assert rows[1].verdict == FAIL and "differ between the trainer and a replica" in rows[1].note
