@@ -32,7 +32,7 @@ import torch
 from diffrl.algos import DIRECT_PREFERENCE
 from diffrl.config import load_config
 from diffrl.config.schema import Config
-from diffrl.controller.check_report import CheckReport, CheckRow, skipped
+from diffrl.controller.check_report import PASS, CheckReport, CheckRow, skipped
 from diffrl.controller.check_resources import memory_rows, reward_rows, weight_sync_rows
 from diffrl.controller.check_sampling import log_probs_vs_trainer, sampler_vs_pipeline
 from diffrl.data import PromptRecord
@@ -158,14 +158,21 @@ def _separate_pools(cfg: Config, group: list[PromptRecord]) -> list[CheckRow]:
 
 def check_at_start(
     cfg: Config, train_records: Sequence[PromptRecord], val_records: Sequence[PromptRecord]
-) -> None:
-    """`diffrl train`'s quick check (trainer.check_at_start): print the table; a failed check
-    stops the run before it starts (ValueError, exit 2) naming the checks and the way around."""
+) -> CheckReport:
+    """`diffrl train`'s quick check (trainer.check_at_start): one line when every check passes;
+    the table and a ValueError (exit 2, before the run starts) naming the failed checks otherwise."""
     report = check_config(cfg, train_records, val_records, quick=True)
-    print(report.table(), end="", flush=True)
     if report.failed:
+        print(report.table(), end="", flush=True)
         names = ", ".join(r.check for r in report.failed)
         raise ValueError(
             f"the setup check failed ({names}; the table above has each measured value and what to change): "
             "fix the setup, or set trainer.check_at_start=false to start anyway"
         )
+    passed = sum(1 for r in report.rows if r.verdict == PASS)
+    print(
+        f"setup check (diffrl check --quick): {passed} checks passed in {report.seconds:.1f} s "
+        "(trainer.check_at_start=false skips it)",
+        flush=True,
+    )
+    return report

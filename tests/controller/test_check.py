@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from check_helpers import write_pairs
 
 from diffrl.cli import main
 from diffrl.config import load_config
@@ -53,13 +54,15 @@ def _verdicts(report) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("preset", cpu_presets())
-def test_quick_check_passes_on_every_cpu_preset(preset):
-    report = check(preset, [], quick=True)
+def test_quick_check_passes_on_every_cpu_preset(preset, tmp_path):
+    # offline_dpo leaves data.train_files for the user's preference pairs
+    overrides = [f"data.train_files=[{write_pairs(tmp_path)}]"] if preset == "offline_dpo" else []
+    report = check(preset, overrides, quick=True)
     verdicts = _verdicts(report)
     assert report.exit_code == 0, report.table()
     for name in SAMPLING_ROWS:
         assert verdicts[name] == PASS, report.table()
-    cfg = load_config(preset, [])
+    cfg = load_config(preset, overrides)
     log_prob_rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
     if cfg.algorithm.trainer_type == "policy_gradient" and cfg.trainer.placement == "colocated":
         window = cfg.rollout.sde_window_size
@@ -117,7 +120,9 @@ def test_a_trainer_in_bf16_fails_the_log_prob_check_where_the_run_reuses_them(mo
     assert all(r.verdict == PASS and r.measured != "max |gap| 0" for r in rows), report.table()
 
 
-@pytest.mark.parametrize(("reward", "cause"), [("one_short", "1 scores for 2"), ("not_finite", "non-finite")])
+@pytest.mark.parametrize(
+    ("reward", "cause"), [("one_short", "expected (2,), one score per sample"), ("not_finite", "non-finite")]
+)
 def test_a_reward_with_the_wrong_count_or_nan_fails_its_row(reward, cause):
     report = check("tiny_sd3", [f"reward.functions.python.args.function=check_helpers:{reward}"], quick=True)
     verdicts = _verdicts(report)
@@ -161,3 +166,28 @@ def test_weight_sync_check_passes_and_fails_when_weights_never_reach_a_replica(s
     monkeypatch.setattr(Separate, "sync_weights", lambda self, version, full=False: {})
     rows, _, _ = weight_sync_rows(cfg, placement, ["a red circle"])
     assert rows[1].verdict == FAIL and "differ between the trainer and a replica" in rows[1].note
+
+
+class _Started(Exception):
+    """Raised where `diffrl train` would start its workers."""
+
+
+def _no_job(*args, **kwargs):
+    raise _Started
+
+
+def test_train_runs_the_quick_check_first_and_a_failure_stops_it(tmp_path, monkeypatch, capsys):
+    from diffrl.controller import run
+
+    monkeypatch.setattr(run, "job", _no_job)
+    out = [f"trainer.output_dir={tmp_path}"]
+    with pytest.raises(_Started):  # every check passed: the run goes on to start its workers
+        run.train("tiny_sd3", out)
+    assert "setup check (diffrl check --quick):" in capsys.readouterr().out
+    monkeypatch.setattr(SD3Adapter, "schedule", _shift_one)
+    with pytest.raises(ValueError, match=r"setup check failed \(sampler = pipeline, shift \(timesteps\)"):
+        run.train("tiny_sd3", out)
+    assert "FAILED: sampler = pipeline" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing written
+    with pytest.raises(_Started):  # turned off, the same broken setup starts
+        run.train("tiny_sd3", [*out, "trainer.check_at_start=false"])
