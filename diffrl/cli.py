@@ -295,7 +295,12 @@ def _disk_full(error: BaseException) -> OSError | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "check" and not any(e.startswith("-") for e in extra):
+        # `diffrl check PRESET --quick key=value`: overrides after the flag belong to the items too
+        args.items += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0

@@ -42,8 +42,7 @@ class Call:
     rows: int
     sample_shape: tuple[int, ...]
     timestep: float
-    text_len: int | None
-    real_tokens: int | None  # the longest row's unmasked text tokens (families with a text mask)
+    text_tokens: tuple[int, ...]  # per row: the text tokens attended to (unmasked ones with a mask)
     guidance: float | None  # FLUX's distilled guidance embedding
 
 
@@ -61,8 +60,7 @@ def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
                 rows=int(hidden.shape[0]),
                 sample_shape=tuple(hidden.shape[1:]),
                 timestep=float(torch.as_tensor(timestep).flatten()[0]),
-                text_len=int(text.shape[1]) if text is not None else None,
-                real_tokens=int(mask.sum(dim=1).max()) if mask is not None else None,
+                text_tokens=_text_tokens(text, mask, int(hidden.shape[0])),
                 guidance=float(guidance.flatten()[0]) if guidance is not None else None,
             )
         )
@@ -72,6 +70,16 @@ def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
         yield calls
     finally:
         handle.remove()
+
+
+def _text_tokens(text: torch.Tensor | None, mask: torch.Tensor | None, rows: int) -> tuple[int, ...]:
+    if mask is not None:
+        return tuple(int(n) for n in mask.sum(dim=1).tolist())
+    return (int(text.shape[1]) if text is not None else 0,) * rows
+
+
+def _distinct(per_step: set[tuple[int, ...]]) -> list[int]:
+    return sorted({n for step in per_step for n in step})
 
 
 def _steps(calls: Sequence[Call]) -> list[list[Call]]:
@@ -224,17 +232,18 @@ def _setting_rows(
             f"{family}'s {sorted(shapes_theirs)}",
         )
     )
-    # text length: the tokens the transformer attended to (the unmasked ones where there is a mask)
-    text_ours = {c.real_tokens if c.real_tokens is not None else c.text_len for s in ours for c in s}
-    text_theirs = {c.real_tokens if c.real_tokens is not None else c.text_len for s in theirs for c in s}
+    # text length: per step, the tokens each row attended to (the unmasked ones where there is a
+    # mask), CFG halves included, whether a pipeline runs them as one call or two
+    text_ours = {tuple(sorted(n for c in s for n in c.text_tokens)) for s in ours}
+    text_theirs = {tuple(sorted(n for c in s for n in c.text_tokens)) for s in theirs}
     rows.append(
         row(
             "text length",
-            f"{sorted(text_ours, key=str)} tokens vs {sorted(text_theirs, key=str)}",
+            f"{_distinct(text_ours)} tokens/row vs {_distinct(text_theirs)}",
             f"equal (max_sequence_length={pipe.max_sequence_length})",
             text_ours == text_theirs,
-            f"the transformer saw {sorted(text_ours, key=str)} text tokens from the sampler, "
-            f"{sorted(text_theirs, key=str)} from {family}: rollout.pipeline.max_sequence_length="
+            f"the transformer's rows had {sorted(text_ours)} text tokens per step from the sampler, "
+            f"{sorted(text_theirs)} from {family}: rollout.pipeline.max_sequence_length="
             f"{pipe.max_sequence_length} did not reach one of them",
         )
     )

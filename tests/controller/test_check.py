@@ -191,3 +191,27 @@ def test_train_runs_the_quick_check_first_and_a_failure_stops_it(tmp_path, monke
     assert not any(tmp_path.iterdir())  # nothing written
     with pytest.raises(_Started):  # turned off, the same broken setup starts
         run.train("tiny_sd3", [*out, "trainer.check_at_start=false"])
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        # FLUX: distilled guidance embedding plus true CFG (two pipeline calls per step, one of ours)
+        [
+            "model.path=tiny:flux",
+            "rollout.pipeline.true_cfg_scale=4.0",
+            "rollout.pipeline.negative_prompt=blurry",
+        ],
+        # Qwen-Image: true CFG with norm rescale, masked text of different lengths per side
+        [
+            "model.path=tiny:qwen_image",
+            "rollout.pipeline.true_cfg_scale=4.0",
+            "rollout.pipeline.max_sequence_length=64",
+        ],
+    ],
+    ids=["flux", "qwen_image"],
+)
+def test_quick_check_passes_on_the_other_families(family):
+    report = check("tiny_sd3", family, quick=True)
+    assert report.exit_code == 0, report.table()
+    assert "passes/sample [2] vs [2]" in report.row("guidance / true CFG").measured
