@@ -157,32 +157,50 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
     rows.append(sample_row)
     if rollout is None:
         return rows
-    from diffrl.algos import DIRECT_PREFERENCE
+    from diffrl.algos import DIRECT_PREFERENCE, SAMPLES, algorithm
 
-    if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
-        rows.append(
-            skipped(
-                "memory: update",
-                "direct-preference updates are not measured by the check yet (the sampling phase is)",
-            )
-        )
-        return rows
     micro = rollout.select(slice(0, train_micro)).compact()
-    if not cfg.reuses_rollout_log_probs or cfg.actor.loss.kl_coef > 0:
-        recompute_row, _ = measure_phase(
-            "log-prob recompute",
-            "actor.micro_batch_size",
-            len(micro),
-            device,
-            worker.memory,
-            lambda: worker.log_probs(micro),
-        )
-        rows.append(recompute_row)
-    targets = TrainingTargets(advantages_B=torch.randn(len(micro)), batch_size=[len(micro)])
+    advantages_B = torch.randn(len(micro))
+    if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
+        if getattr(algorithm(cfg.actor.loss.mode), "trains_on", None) != SAMPLES:
+            rows.append(
+                skipped(
+                    "memory: update",
+                    f"actor.loss.mode={cfg.actor.loss.mode} trains on preference pairs, which the check does not "
+                    "build yet (the sampling phase is measured)",
+                )
+            )
+            return rows
+        from diffrl.train.preference import CleanBatch
 
-    def update() -> dict:
-        worker.forward_backward([PolicyGradientBatch(micro, targets)])
-        return worker.optim_step()
+        samples = micro.samples
+        clean = CleanBatch(
+            latents=samples.final_latents,
+            cond=micro.sample_cond(),
+            advantages_B=advantages_B,
+            sample_index_B=samples.sample_index_B,
+        )
+
+        def update() -> dict:  # the forward-process loss of NFT / AWM on one micro-batch
+            worker.forward_process_backward([clean], seed=seed, step=1, epoch=0)
+            return worker.optim_step()
+
+    else:
+        if not cfg.reuses_rollout_log_probs or cfg.actor.loss.kl_coef > 0:
+            recompute_row, _ = measure_phase(
+                "log-prob recompute",
+                "actor.micro_batch_size",
+                len(micro),
+                device,
+                worker.memory,
+                lambda: worker.log_probs(micro),
+            )
+            rows.append(recompute_row)
+        targets = TrainingTargets(advantages_B=advantages_B, batch_size=[len(micro)])
+
+        def update() -> dict:  # forward and backward over every window step, then AdamW's step
+            worker.forward_backward([PolicyGradientBatch(micro, targets)])
+            return worker.optim_step()
 
     update_row, _ = measure_phase(
         "update", "actor.micro_batch_size", len(micro), device, worker.memory, update

@@ -18,6 +18,7 @@ from check_helpers import write_pairs
 from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.config.catalog import preset_names
+from diffrl.controller import check_resources
 from diffrl.controller.check import check
 from diffrl.controller.check_report import FAIL, PASS, SKIP
 from diffrl.controller.check_resources import weight_sync_rows
@@ -71,14 +72,29 @@ def test_quick_check_passes_on_every_cpu_preset(preset, tmp_path):
         assert all(verdicts[f"reward {name}"] == PASS for name in cfg.reward.functions)
 
 
-def test_full_check_measures_memory_of_each_phase():
-    report = check("tiny_sd3", [])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["algorithm.trainer_type=direct_preference", "actor.loss.mode=diffusion_nft"]],
+    ids=["flow_grpo", "diffusion_nft"],
+)
+def test_full_check_measures_memory_of_each_phase(overrides):
+    report = check("tiny_sd3", overrides)
     verdicts = _verdicts(report)
     assert report.exit_code == 0, report.table()
     assert verdicts["memory: sampling"] == verdicts["memory: update"] == PASS
     # tiny_sd3 reuses the rollout's log-probs (colocated, eager): no recompute phase to measure
     assert "memory: log-prob recompute" not in verdicts
     assert verdicts["weights: replicas = trainer"] == SKIP
+
+
+def test_a_batch_larger_than_the_device_fails_naming_the_setting(monkeypatch):
+    """A device of 0.1 GB: every phase's measured peak (the process's RSS on a CPU) is past it."""
+    monkeypatch.setattr(check_resources, "_capacity", lambda device: 2**30 // 10)
+    report = check("tiny_sd3", [])
+    sampling, update = report.row("memory: sampling"), report.row("memory: update")
+    assert sampling.verdict == update.verdict == FAIL
+    assert "set rollout.micro_batch_size=4" in sampling.note  # tiny_sd3 samples 8 at a time
+    assert "set actor.micro_batch_size=2" in update.note  # and trains 4
 
 
 def _shift_one(self, num_steps, height, width, num_frames=1):
