@@ -159,8 +159,9 @@ def _separate_pools(cfg: Config, group: list[PromptRecord]) -> list[CheckRow]:
 def check_at_start(
     cfg: Config, train_records: Sequence[PromptRecord], val_records: Sequence[PromptRecord]
 ) -> CheckReport:
-    """`diffrl train`'s quick check (trainer.check_at_start): one line when every check passes;
-    the table and a ValueError (exit 2, before the run starts) naming the failed checks otherwise."""
+    """`diffrl train`'s quick check (trainer.check_at_start): the report when every check passes
+    (`passed_line` is its line in the run's output); otherwise the table, and a ValueError (exit 2,
+    before the run starts) naming the failed checks."""
     report = check_config(cfg, train_records, val_records, quick=True)
     if report.failed:
         print(report.table(), end="", flush=True)
@@ -169,10 +170,13 @@ def check_at_start(
             f"the setup check failed ({names}; the table above has each measured value and what to change): "
             "fix the setup, or set trainer.check_at_start=false to start anyway"
         )
-    passed = sum(1 for r in report.rows if r.verdict == PASS)
-    print(
-        f"setup check (diffrl check --quick): {passed} checks passed in {report.seconds:.1f} s "
-        "(trainer.check_at_start=false skips it)",
-        flush=True,
-    )
     return report
+
+
+def passed_line(report: CheckReport) -> str:
+    """What `diffrl train` prints of a passed quick check, after its run-directory line."""
+    passed = sum(1 for r in report.rows if r.verdict == PASS)
+    return (
+        f"setup check (diffrl check --quick): {passed} checks passed in {report.seconds:.1f} s "
+        "(trainer.check_at_start=false skips it)"
+    )
