@@ -7,7 +7,7 @@ config, with the reason). The exit status of `diffrl check` is 0 when no row fai
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
@@ -87,7 +87,3 @@ def fmt(value: float) -> str:
 
 def fmt_list(values: Iterable[float]) -> str:
     return "[" + ", ".join(fmt(v) for v in values) + "]"
-
-
-def join_rows(*groups: Sequence[CheckRow]) -> list[CheckRow]:
-    return [r for g in groups for r in g]

@@ -41,13 +41,12 @@ def reward_rows(cfg: Config, rollout: Rollout) -> list[CheckRow]:
     batch = int(pixels.shape[0])
     for spec in reward_specs(cfg.reward.functions):
         name = f"reward {spec.name}"
-        remote = base_name(spec.name) == "http"
-        deadline = float(spec.args.get("timeout", 300.0)) if remote else None
-        start = time.perf_counter()
         try:
-            scores_B = MultiReward([replace(spec, required=True)])(pixels, prompts, metadata).scores[
-                spec.name
-            ]
+            reward = MultiReward([replace(spec, required=True)])
+            # a remote scorer's deadline for one attempt (`HttpReward.timeout`)
+            deadline = reward.rewards[spec.name].timeout if base_name(spec.name) == "http" else None
+            start = time.perf_counter()
+            scores_B = reward(pixels, prompts, metadata).scores[spec.name]
         except Exception as err:  # a reward's own failure is this check's finding, not a crash
             cause = err.__cause__ or err
             rows.append(
@@ -140,6 +139,14 @@ def measure_phase(
 def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckRow]:
     """Peak memory of one micro-batch of each phase, at the preset's sizes, on `worker` (a
     HybridWorker: the sampler and the engine of a colocated run)."""
+    if cfg.world_size > 1 and cfg.actor.strategy == "fsdp2":
+        return [
+            skipped(
+                "memory",
+                f"actor.strategy=fsdp2 shards the model over {cfg.world_size} workers; this process holds it "
+                "whole, so its peak would not be a worker's (the run logs perf/max_memory_* each step)",
+            )
+        ]
     device = worker.engine.adapter.device
     n, sample_micro, train_micro = cfg.rollout.n, cfg.rollout.micro_batch_size, cfg.actor.micro_batch_size
     groups = max(1, -(-sample_micro // n))

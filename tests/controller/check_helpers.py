@@ -33,3 +33,11 @@ def write_pairs(root, rows=2):
         )
     (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
     return root / "pairs.jsonl"
+
+
+def slow(pixels, prompts, metadata, seconds: float = 1.0):
+    """A scorer that answers after `seconds`."""
+    import time
+
+    time.sleep(seconds)
+    return torch.zeros(len(prompts))

@@ -24,6 +24,7 @@ from diffrl.controller.check_report import FAIL, PASS, SKIP
 from diffrl.controller.check_resources import weight_sync_rows
 from diffrl.controller.placement import Separate
 from diffrl.models.sd3 import SD3Adapter
+from diffrl.rewards.server import start_reward_server
 from diffrl.schedules import flow_match_schedule
 from diffrl.train import engine
 from diffrl.transition import evaluate_window
@@ -231,3 +232,17 @@ def test_quick_check_passes_on_the_other_families(family):
     report = check("tiny_sd3", family, quick=True)
     assert report.exit_code == 0, report.table()
     assert "passes/sample [2] vs [2]" in report.row("guidance / true CFG").measured
+
+
+def test_a_remote_scorer_answers_within_its_deadline_or_fails_its_row():
+    with (
+        start_reward_server("jpeg_compressibility") as fast,
+        start_reward_server("check_helpers:slow", {"seconds": 1.0}) as slow,
+    ):
+        http = ["reward.functions.http.args.retries=0", "reward.functions.http.args.timeout=0.4"]
+        report = check("tiny_sd3", [*http, f"reward.functions.http.args.url={fast.url}"], quick=True)
+        assert report.row("reward http").verdict == PASS, report.table()
+        assert "<= 0.4 s" in report.row("reward http").tolerance
+        report = check("tiny_sd3", [*http, f"reward.functions.http.args.url={slow.url}"], quick=True)
+    row = report.row("reward http")
+    assert row.verdict == FAIL and "did not answer within timeout=0.4 s" in row.note, report.table()
