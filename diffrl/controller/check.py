@@ -139,7 +139,8 @@ def _log_prob_rows(cfg: Config, group: list[PromptRecord], *, sample, recompute)
         metadata=[r.metadata for r in group],
     )
     recomputed, _ = recompute(rollout)
-    return log_probs_vs_trainer(cfg, rollout, recomputed)
+    steps = rollout.step_indices.tolist()
+    return log_probs_vs_trainer(cfg, rollout.samples.log_probs_BW, recomputed, steps)
 
 
 def _separate_pools(cfg: Config, group: list[PromptRecord]) -> list[CheckRow]:
@@ -148,12 +149,26 @@ def _separate_pools(cfg: Config, group: list[PromptRecord]) -> list[CheckRow]:
     from diffrl.controller.run import placement_session
 
     with placement_session(cfg) as (placement, _rewards):
-        rows, rollout, recomputed = weight_sync_rows(cfg, placement, [r.prompt for r in group])
+        rows, sampled, recomputed = weight_sync_rows(cfg, placement, group)
     if _trains_on_log_probs(cfg):
-        rows += log_probs_vs_trainer(cfg, rollout, recomputed)
+        steps = _window_steps(cfg)
+        rows += log_probs_vs_trainer(cfg, sampled, recomputed, steps)
     else:
         rows += log_probs_vs_trainer(cfg, None, None)
     return rows
+
+
+def _window_steps(cfg: Config) -> list[int]:
+    """The denoising steps of step 0's SDE window (the sampler's own `window`)."""
+    from diffrl.rollout.window import window_start
+
+    lo, hi = cfg.rollout.sde_window_range
+    size = cfg.rollout.sde_window_size
+    sde = cfg.rollout.sde
+    k0 = window_start(
+        sde.window_strategy, lo, hi, size, seed=cfg.rollout_seed, step=0, iters_per_group=sde.iters_per_group
+    )
+    return list(range(k0, k0 + size))
 
 
 def check_at_start(

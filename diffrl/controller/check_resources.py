@@ -233,12 +233,24 @@ def _compare_digests(
     )
 
 
+class _Unscored:
+    """The reward sink of the check's rollout on a replica: sampling hands each decoded micro-batch
+    to `submit`; the weight-sync rows need no scores (the reward rows score the ODE samples)."""
+
+    def submit(self, pixels: Any, prompts: Any, metadata: Any) -> None:
+        return None
+
+
 def weight_sync_rows(
-    cfg: Config, placement: Any, prompts: Sequence[str]
-) -> tuple[list[CheckRow], Rollout, Any]:
+    cfg: Config, placement: Any, records: Sequence[Any]
+) -> tuple[list[CheckRow], torch.Tensor, torch.Tensor]:
     """Replicas against the trainer after a full sync, then after one update and a second sync
-    (adapters only with LoRA). Returns the rows, a rollout a replica sampled with the synced
-    weights, and the trainer's recomputed log-probs of it."""
+    (adapters only with LoRA), all through the run's own verbs: `sync_weights`, a replica's
+    `sample_and_score`, the trainer's `stage`, `staged_log_probs`, `stage_targets`,
+    `staged_forward_backward`, `optim_step`. Returns the rows, and the replica's sampled and the
+    trainer's recomputed log-probs [B, W] of the same rollout (with the synced weights)."""
+    from diffrl.controller.sharding import prompt_shard
+
     timeout = cfg.trainer.worker_timeout_s
     fix = (
         "the weight sync did not deliver them (rollout.weight_sync settings, the replicas' LoRA layout); "
@@ -247,32 +259,36 @@ def weight_sync_rows(
     rows = []
     placement.sync_weights(0)
     trainer = placement.trainer.call("weight_digest")[0]
-    rows.append(
-        _compare_digests(
-            "weights: replicas = trainer (full sync)", trainer, placement.replicas.call("weight_digest"), fix
-        )
-    )
-    rollout = placement.replicas.submit(0, "sample", list(prompts), seed=cfg.rollout_seed, step=0).result(
-        timeout
-    )
-    recomputed, _ = placement.trainer.call("log_probs", rollout)[0]
+    replicas = placement.replicas.call("weight_digest")
+    rows.append(_compare_digests("weights: replicas = trainer (full sync)", trainer, replicas, fix))
+    shard = prompt_shard(records, ["check"] * len(records), 0, cfg.rollout.pipeline.negative_prompt)
+    summary, part = placement.replicas.submit(
+        0, "sample_and_score", shard, seed=cfg.rollout_seed, step=0, rewards=_Unscored()
+    ).result(timeout)
+    batch = len(summary)
+    placement.trainer.call("stage", [part])
+    recomputed, _ = placement.trainer.call("staged_log_probs", slice(0, batch))[0]
     # One update, so the trainer's weights differ from what every replica loaded itself.
-    targets = TrainingTargets(advantages_B=torch.randn(len(rollout)), batch_size=[len(rollout)])
-    placement.trainer.call("forward_backward", [PolicyGradientBatch(rollout, targets)])
+    targets = TrainingTargets(advantages_B=torch.randn(batch), batch_size=[batch])
+    placement.trainer.call("stage_targets", targets, {})
+    placement.trainer.call("staged_forward_backward", [torch.arange(batch)])
     placement.trainer.call("optim_step")
     updated = placement.trainer.call("weight_digest")[0]
     placement.sync_weights(1)
     after = placement.replicas.call("weight_digest")
     changed = sum(1 for k in updated if updated[k] != trainer.get(k))
     sync_kind = "adapters only" if cfg.model.lora.rank > 0 else "full"
-    result = _compare_digests(f"weights: replicas = trainer (update + {sync_kind} sync)", updated, after, fix)
+    check = f"weights: replicas = trainer (update + {sync_kind} sync)"
     if changed == 0:
-        result = row(
-            result.check,
-            "the update changed no tensor",
-            "an update changes the weights",
-            False,
-            "the trainer's update changed nothing, so the sync cannot be verified: check actor.optim.lr",
+        rows.append(
+            row(
+                check,
+                "the update changed no tensor",
+                "an update changes the weights",
+                False,
+                "the trainer's update changed nothing, so the sync cannot be verified: check actor.optim.lr",
+            )
         )
-    rows.append(result)
-    return rows, rollout, recomputed
+    else:
+        rows.append(_compare_digests(check, updated, after, fix))
+    return rows, summary.log_probs_BW, recomputed

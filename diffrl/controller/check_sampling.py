@@ -251,11 +251,14 @@ def _setting_rows(
 
 
 def log_probs_vs_trainer(
-    cfg: Config, rollout: Rollout | None, recomputed_BW: torch.Tensor | None
+    cfg: Config,
+    sampled_BW: torch.Tensor | None,
+    recomputed_BW: torch.Tensor | None,
+    steps: Sequence[int] = (),
 ) -> list[CheckRow]:
-    """One row per trained (window) step: the sampled log-probs against the trainer's recomputation
-    on the same weights. `rollout` None: the config trains on no SDE log-probs (skipped)."""
-    if rollout is None or recomputed_BW is None:
+    """One row per trained (window) step `steps[j]`: the sampled log-probs [B, W] against the
+    trainer's recomputation on the same weights. None: the config trains on no SDE log-probs."""
+    if sampled_BW is None or recomputed_BW is None:
         return [
             skipped(
                 "log-probs = trainer",
@@ -263,9 +266,8 @@ def log_probs_vs_trainer(
                 "trains on clean samples, not on the sampler's log-probs",
             )
         ]
-    sampled = rollout.samples.log_probs_BW.to(recomputed_BW.device)
+    sampled = sampled_BW.to(recomputed_BW.device)
     reuse = cfg.reuses_rollout_log_probs
-    steps = rollout.step_indices.tolist()
     rows = []
     for j, k in enumerate(steps):
         gap = (recomputed_BW[:, j] - sampled[:, j]).abs()

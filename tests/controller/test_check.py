@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from check_helpers import write_pairs
 
 from diffrl.cli import main
@@ -23,6 +24,7 @@ from diffrl.controller.check import check
 from diffrl.controller.check_report import FAIL, PASS, SKIP
 from diffrl.controller.check_resources import weight_sync_rows
 from diffrl.controller.placement import Separate
+from diffrl.data import PromptRecord
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.rewards.server import start_reward_server
 from diffrl.schedules import flow_match_schedule
@@ -175,13 +177,16 @@ def separate_pools():
 
 def test_weight_sync_check_passes_and_fails_when_weights_never_reach_a_replica(separate_pools, monkeypatch):
     cfg, placement = separate_pools
-    rows, rollout, recomputed = weight_sync_rows(cfg, placement, ["a red circle"])
+    group = [PromptRecord("a red circle")]
+    rows, sampled, recomputed = weight_sync_rows(cfg, placement, group)
     assert [r.verdict for r in rows] == [PASS, PASS], rows
     assert "LoRA" in rows[1].check or "adapters only" in rows[1].check
-    assert recomputed.shape == rollout.samples.log_probs_BW.shape
+    # the replica's rollout, recomputed by the trainer with the weights it synced: the same log-probs
+    assert recomputed.shape == sampled.shape == (cfg.rollout.n, cfg.rollout.sde_window_size)
+    torch.testing.assert_close(recomputed, sampled, rtol=0, atol=1e-6)
     # The same pools, with syncs that never deliver: the trainer's update stays on the trainer.
     monkeypatch.setattr(Separate, "sync_weights", lambda self, version, full=False: {})
-    rows, _, _ = weight_sync_rows(cfg, placement, ["a red circle"])
+    rows, _, _ = weight_sync_rows(cfg, placement, group)
     assert rows[1].verdict == FAIL and "differ between the trainer and a replica" in rows[1].note
 
 
