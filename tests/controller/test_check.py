@@ -251,3 +251,44 @@ def test_a_remote_scorer_answers_within_its_deadline_or_fails_its_row():
         report = check("tiny_sd3", [*http, f"reward.functions.http.args.url={slow.url}"], quick=True)
     row = report.row("reward http")
     assert row.verdict == FAIL and "did not answer within timeout=0.4 s" in row.note, report.table()
+
+
+def test_wan_with_its_unipc_scheduler_is_checked_against_the_pipeline_sampling_as_diffrl_does():
+    """The diffusers Wan checkpoints ship a multistep UniPC solver; diffrl samples them as flow-match
+    Euler at the same shift, and the check compares with WanPipeline on that scheduler."""
+    from contextlib import nullcontext
+
+    from diffusers import UniPCMultistepScheduler
+
+    from diffrl.controller.check_sampling import sampler_vs_pipeline
+    from diffrl.models import load_model
+
+    cfg = load_config("tiny_wan_video", [])
+    adapter = load_model(cfg.model.path, "float32")
+    shift = adapter.pipe.scheduler.config.shift
+    adapter.pipe.scheduler = UniPCMultistepScheduler.from_config(  # as a checkpoint's config loads
+        {
+            "_class_name": "UniPCMultistepScheduler",
+            "prediction_type": "flow_prediction",
+            "use_flow_sigmas": True,
+            "flow_shift": shift,
+        }
+    )
+    rows, rollout = sampler_vs_pipeline(adapter, cfg, ["a red circle", "a blue square"], nullcontext)
+    assert all(r.verdict == PASS for r in rows), rows
+    # the pipeline on its own UniPC solver is another sampler: far from ours
+    noise = rollout.samples.window_latents[:, 0]
+    pipe = cfg.rollout.pipeline
+    call = adapter.pipeline_call(
+        ["a red circle", "a blue square"],
+        [pipe.negative_prompt] * 2,
+        num_inference_steps=pipe.num_inference_steps,
+        guidance_scale=pipe.guidance_scale,
+        true_cfg_scale=None,
+        height=pipe.height,
+        width=pipe.width,
+        num_frames=pipe.num_frames,
+        max_sequence_length=pipe.max_sequence_length,
+    )
+    unipc = adapter.pipe(latents=noise.clone(), output_type="latent", **call).frames
+    assert (unipc - rollout.samples.final_latents).norm() > 1e-2 * unipc.norm()
