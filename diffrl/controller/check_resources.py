@@ -81,6 +81,12 @@ def reward_rows(cfg: Config, rollout: Rollout) -> list[CheckRow]:
     return rows
 
 
+def _advantages(cfg: Config, batch: int) -> torch.Tensor:
+    """Advantages for the check's one update: standard normal, from a generator of the run's seed
+    (the global RNG is left alone)."""
+    return torch.randn(batch, generator=torch.Generator().manual_seed(cfg.trainer.seed))
+
+
 def _capacity(device: torch.device) -> int | None:
     from diffrl.train.parallel import device_memory_bytes
 
@@ -167,7 +173,7 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
     from diffrl.algos import DIRECT_PREFERENCE, SAMPLES, algorithm
 
     micro = rollout.select(slice(0, train_micro)).compact()
-    advantages_B = torch.randn(len(micro))
+    advantages_B = _advantages(cfg, len(micro))
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         if getattr(algorithm(cfg.actor.loss.mode), "trains_on", None) != SAMPLES:
             rows.append(
@@ -269,7 +275,7 @@ def weight_sync_rows(
     placement.trainer.call("stage", [part])
     recomputed, _ = placement.trainer.call("staged_log_probs", slice(0, batch))[0]
     # One update, so the trainer's weights differ from what every replica loaded itself.
-    targets = TrainingTargets(advantages_B=torch.randn(batch), batch_size=[batch])
+    targets = TrainingTargets(advantages_B=_advantages(cfg, batch), batch_size=[batch])
     placement.trainer.call("stage_targets", targets, {})
     placement.trainer.call("staged_forward_backward", [torch.arange(batch)])
     placement.trainer.call("optim_step")

@@ -292,3 +292,12 @@ def test_wan_with_its_unipc_scheduler_is_checked_against_the_pipeline_sampling_a
     )
     unipc = adapter.pipe(latents=noise.clone(), output_type="latent", **call).frames
     assert (unipc - rollout.samples.final_latents).norm() > 1e-2 * unipc.norm()
+
+
+def test_the_check_leaves_the_global_rng_alone():
+    """`diffrl train` runs the quick check in its own process before the run: drawing from torch's
+    global generator there would change what the run draws after it."""
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    check("tiny_sd3", [])  # the full check: its update draws advantages too
+    assert torch.equal(torch.get_rng_state(), before)
