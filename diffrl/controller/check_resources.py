@@ -155,7 +155,8 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
         ]
     device = worker.engine.adapter.device
     n, sample_micro, train_micro = cfg.rollout.n, cfg.rollout.micro_batch_size, cfg.actor.micro_batch_size
-    groups = max(1, -(-sample_micro // n))
+    # enough samples for one micro-batch of each phase (the sampler runs rollout.micro_batch_size at a time)
+    groups = max(1, -(-max(sample_micro, train_micro) // n))
     batch_prompts = [prompts[i % len(prompts)] for i in range(groups)]
     seed = cfg.rollout_seed
     rows = []
