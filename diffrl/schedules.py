@@ -107,7 +107,7 @@ def flow_match_schedule(
 
     num_steps = int(num_steps)
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-        _euler_config(scheduler_config, pipeline_convention)
+        euler_config(scheduler_config, pipeline_convention)
     )
     config = scheduler.config
     if config.invert_sigmas:
@@ -161,7 +161,7 @@ def flow_match_schedule(
     return Schedule(sigmas=sigmas, timesteps=timesteps)
 
 
-def _euler_config(scheduler_config: Mapping[str, Any], pipeline_convention: str) -> dict[str, Any]:
+def euler_config(scheduler_config: Mapping[str, Any], pipeline_convention: str) -> dict[str, Any]:
     """The config as FlowMatchEulerDiscreteScheduler kwargs, or a ValueError saying why it isn't one."""
     config = dict(scheduler_config)
     class_name = config.get("_class_name")

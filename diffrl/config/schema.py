@@ -578,6 +578,7 @@ class TrainerConfig:
     ray_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per trainer rank
     worker_timeout_s: float = 3600.0  # a worker call that runs longer ends the run (it stopped answering)
     seed: int = 42
+    check_at_start: bool = True  # `diffrl check --quick` before the run starts (docs/check.md)
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

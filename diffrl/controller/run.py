@@ -659,7 +659,16 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     if (finished := skip_if_finished(cfg.trainer)) is not None:
         return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
+    checked = None
+    if cfg.trainer.check_at_start:
+        from diffrl.controller.check import check_at_start
+
+        checked = check_at_start(cfg, train_records, val_records)
     with job(cfg, source, rl=True) as j:
+        if checked is not None:  # after the run's first line, which says where to look
+            from diffrl.controller.check import passed_line
+
+            print(passed_line(checked), flush=True)
         loop_args = dict(
             placement=j.workers,
             rewards=j.rewards,

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from diffusers import DiffusionPipeline
@@ -317,6 +317,48 @@ class ModelAdapter(ABC):
             f"{type(self).__name__} cannot encode images yet, so `diffrl sft` does not support it; "
             "supervised fine-tuning supports the SD3 family (including the pixel-space toy model)"
         )
+
+    # ------------------------------------------------------------------------------ the reference
+    def pipeline_call(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        *,
+        num_inference_steps: int,
+        guidance_scale: float,
+        true_cfg_scale: float | None,
+        height: int,
+        width: int,
+        num_frames: int,
+        max_sequence_length: int,
+    ) -> dict[str, Any]:
+        """Keyword arguments of the family's own diffusers pipeline call that samples, with its ODE
+        loop, what diffrl's sampler samples with these settings and negatives (`diffrl check`
+        compares the two from the same initial noise). Classic CFG families (SD3, Wan): the
+        pipeline's `guidance_scale` is the CFG scale and its negatives are ours."""
+        self._require_no_true_cfg(true_cfg_scale)
+        kwargs: dict[str, Any] = dict(
+            prompt=list(prompts),
+            negative_prompt=list(negative_prompts) if negative_prompts is not None else None,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            max_sequence_length=max_sequence_length,
+        )
+        if self.is_video:
+            kwargs["num_frames"] = num_frames
+        return kwargs
+
+    def reference_pipeline(self) -> DiffusionPipeline:
+        """The diffusers pipeline the sampler must agree with: the loaded one, on the same modules."""
+        return self.pipe
+
+    def pipeline_latents(self, latents: torch.Tensor, call: dict[str, Any]) -> torch.Tensor:
+        """The reference pipeline's final latents (`output_type="latent"`, the layout `velocity`
+        consumes) from initial `latents`, for the keyword arguments of `pipeline_call`."""
+        out = self.reference_pipeline()(latents=latents, output_type="latent", **call)
+        return out.frames if self.is_video else out.images
 
     # ------------------------------------------------------------------------------ facts
     @abstractmethod

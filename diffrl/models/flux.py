@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -111,6 +111,35 @@ class FluxAdapter(ModelAdapter):
     def wants_negative(self, guidance_scale: float, true_cfg_scale: float | None = None) -> bool:
         """Only true CFG needs negatives: FLUX's `guidance_scale` is the distilled guidance embedding."""
         return true_cfg_scale is not None and true_cfg_scale > 1
+
+    def pipeline_call(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        *,
+        num_inference_steps: int,
+        guidance_scale: float,
+        true_cfg_scale: float | None,
+        height: int,
+        width: int,
+        num_frames: int,
+        max_sequence_length: int,
+    ) -> dict[str, Any]:
+        """The `FluxPipeline` call of these settings (module docstring): `guidance_scale` is the
+        distilled guidance embedding, true CFG runs with our negatives (the pipeline's default
+        `true_cfg_scale` of 1 is off)."""
+        self._latent_hw(height, width, num_frames)  # num_frames must be 1
+        cfg = negative_prompts is not None and self.wants_negative(guidance_scale, true_cfg_scale)
+        return dict(
+            prompt=list(prompts),
+            negative_prompt=list(negative_prompts) if cfg else None,
+            true_cfg_scale=true_cfg_scale if cfg else 1.0,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            max_sequence_length=max_sequence_length,
+        )
 
     # ------------------------------------------------------------------------------ latents
     def _latent_hw(self, height: int, width: int, num_frames: int) -> tuple[int, int]:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -200,6 +201,35 @@ class QwenImageAdapter(ModelAdapter):
         return true_cfg_scale is not None and true_cfg_scale > 1
 
     # ------------------------------------------------------------------------------ network
+    def pipeline_call(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        *,
+        num_inference_steps: int,
+        guidance_scale: float,
+        true_cfg_scale: float | None,
+        height: int,
+        width: int,
+        num_frames: int,
+        max_sequence_length: int,
+    ) -> dict[str, Any]:
+        """The `QwenImagePipeline` call of these settings: true CFG with our negatives, or
+        `true_cfg_scale=1` (the pipeline's default is 4, on); `guidance_scale` is not passed (this
+        adapter ignores it, as the pipeline does for a model without a guidance embedding)."""
+        if num_frames != 1:
+            raise ValueError(f"Qwen-Image generates images: num_frames must be 1; got {num_frames}")
+        cfg = negative_prompts is not None and self.wants_negative(guidance_scale, true_cfg_scale)
+        return dict(
+            prompt=list(prompts),
+            negative_prompt=list(negative_prompts) if cfg else None,
+            true_cfg_scale=true_cfg_scale if cfg else 1.0,
+            num_inference_steps=num_inference_steps,
+            height=height,
+            width=width,
+            max_sequence_length=max_sequence_length,
+        )
+
     def velocity(
         self,
         latents: torch.Tensor,

@@ -135,6 +135,21 @@ class WanAdapter(ModelAdapter):
         mask = torch.ones(latents.shape[2:], dtype=torch.float32, device=self.device)
         return (mask[:, ::2, ::2].flatten()[None, :] * timestep_B[:, None]).contiguous()
 
+    def reference_pipeline(self):
+        """`WanPipeline` on the same modules, sampling with flow-match Euler at the checkpoint's
+        shift, as diffrl does (`diffrl.schedules`, "wan"): the diffusers Wan checkpoints ship a
+        multistep UniPC solver, which has no single Gaussian transition per step."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from diffrl.schedules import euler_config
+
+        if isinstance(self.pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+            return self.pipe
+        euler = FlowMatchEulerDiscreteScheduler.from_config(euler_config(self.scheduler_config, "wan"))
+        pipe = type(self.pipe)(**{**self.pipe.components, "scheduler": euler})
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
     def velocity(
         self,
         latents: torch.Tensor,

@@ -84,7 +84,7 @@ def choose_strategy(
         return StrategyChoice("fsdp2", "sequence parallelism shards the model with FSDP2")
     if weight_bytes is not None and device_bytes is not None:
         share = weight_bytes / device_bytes
-        sizes = f"{weight_bytes / 2**30:.1f} GiB of weights on a {device_bytes / 2**30:.0f} GiB device"
+        sizes = f"{_size(weight_bytes)} of weights on a {_size(device_bytes)} device"
         if share > REPLICATE_MAX_WEIGHT_SHARE:
             return StrategyChoice(
                 "fsdp2",
@@ -98,6 +98,10 @@ def choose_strategy(
     return StrategyChoice(
         "ddp", "LoRA: each worker holds the frozen base, only the adapters' gradients are averaged"
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def pipeline_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
