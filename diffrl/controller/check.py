@@ -173,10 +173,22 @@ def _window_steps(cfg: Config) -> list[int]:
 
 def check_at_start(
     cfg: Config, train_records: Sequence[PromptRecord], val_records: Sequence[PromptRecord]
-) -> CheckReport:
-    """`diffrl train`'s quick check (trainer.check_at_start): the report when every check passes
-    (`passed_line` is its line in the run's output); otherwise the table, and a ValueError (exit 2,
-    before the run starts) naming the failed checks."""
+) -> str:
+    """`diffrl train`'s quick check (trainer.check_at_start): the line the run prints after its
+    run-directory line when every check passes; otherwise the table, and a ValueError (exit 2,
+    before the run starts) naming the failed checks.
+
+    It runs on one worker of the colocated kind in this process, on this process's device, so it
+    checks a one-worker colocated run as that run will compute. A run over several workers or with
+    separate placement holds the model differently (sharded, or on its own replicas) and may not
+    fit one device at all: the start-up check says so and leaves it to `diffrl check`, which the
+    user runs where the model fits."""
+    if cfg.world_size > 1 or cfg.trainer.placement != "colocated":
+        return (
+            f"setup check skipped at start: it runs on one device in this process, and this run "
+            f"uses {cfg.world_size} worker(s) with trainer.placement={cfg.trainer.placement}; run "
+            "`diffrl check` with this run's arguments before a long run"
+        )
     report = check_config(cfg, train_records, val_records, quick=True)
     if report.failed:
         print(report.table(), end="", flush=True)
@@ -185,11 +197,6 @@ def check_at_start(
             f"the setup check failed ({names}; the table above has each measured value and what to change): "
             "fix the setup, or set trainer.check_at_start=false to start anyway"
         )
-    return report
-
-
-def passed_line(report: CheckReport) -> str:
-    """What `diffrl train` prints of a passed quick check, after its run-directory line."""
     passed = sum(1 for r in report.rows if r.verdict == PASS)
     return (
         f"setup check (diffrl check --quick): {passed} checks passed in {report.seconds:.1f} s "

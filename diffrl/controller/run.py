@@ -666,9 +666,7 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
         checked = check_at_start(cfg, train_records, val_records)
     with job(cfg, source, rl=True) as j:
         if checked is not None:  # after the run's first line, which says where to look
-            from diffrl.controller.check import passed_line
-
-            print(passed_line(checked), flush=True)
+            print(checked, flush=True)
         loop_args = dict(
             placement=j.workers,
             rewards=j.rewards,

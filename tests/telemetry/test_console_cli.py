@@ -70,6 +70,8 @@ def test_train_names_its_run_directory_first_and_prints_no_third_party_noise(tra
     # with several workers the run first says how they share the model, then where to look
     assert first == "parallelism: actor.strategy=fsdp2 (set by actor.strategy)"
     assert second == f"run directory: {run_dir}"
+    # the start-up check runs one worker's model in the driver: a 2-worker run leaves it to `diffrl check`
+    assert "setup check skipped at start" in result.stdout
     assert noise_in(result) == [], (result.stdout, result.stderr)
     assert "val/rewards/mean" in result.stdout  # the run's own lines are there
 
