@@ -22,7 +22,7 @@ The same engine runs on one CPU, one GPU, or over a process group (one engine pe
 own micro-batches): replicated (`actor.strategy=ddp`: gradients averaged across ranks right before
 each optimizer step) or sharded with FSDP2 (FSDP averages them); diffrl.train.parallel.
 
-Memory (docs/performance.md, "Memory: offload options"): `to(device, model=, optimizer=, grad=)`
+Memory (diffrl.train.offload; docs/performance.md, "Memory: offload options"): `to(device, model=, optimizer=, grad=)`
 moves the transformer, the AdamW state and the gradients between host and accelerator by hand;
 `actor.optimizer_offload` keeps the AdamW state in host memory except during `optimizer.step()`;
 `actor.activation_offload` keeps what autograd saves for backward in pinned host memory
@@ -36,7 +36,7 @@ import copy
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,6 +47,7 @@ from diffrl.algos import KLLoss, LossInputs, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
+from diffrl.train import offload
 from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.lora import inject_lora, merged_adapter
 from diffrl.train.parallel import average_gradients, choose_strategy
@@ -289,7 +290,7 @@ class TrainEngine:
         sums: dict[str, float] = defaultdict(float)
         for index, term in enumerate(terms):
             self._sync_gradients(index == len(terms) - 1)
-            with self._saved_tensors_offload():
+            with offload.saved_tensors_offload(self.cfg.activation_offload):
                 loss, metrics = term.forward()
             (loss * term.grad_scale).backward()
             if term.metric_weight is None:
@@ -506,85 +507,25 @@ class TrainEngine:
         owns where the transformer's shards, gradients and optimizer state live (host memory),
         and `to` leaves them there.
         """
-        target = self._target_device(device)
+        target = offload.target_device(device, self.device)
+        modules = self._model_modules()
         if model or grad:
-            self._check_gradients_follow(target, model=model, grad=grad)
+            offload.check_gradients_follow(modules, target, model=model, grad=grad)
         if model:
-            for module in self._model_modules():
+            for module in modules:
                 if any(t.device != target for t in (*module.parameters(), *module.buffers())):
                     module.to(target)
         if optimizer:
-            self._move_optimizer_state(target)
-        self._release_cached_memory()
-
-    def _target_device(self, device: str) -> torch.device:
-        if device == "cpu":
-            return torch.device("cpu")
-        if device == "device":
-            return self.device
-        raise ValueError(f"TrainEngine.to({device!r}): device must be 'cpu' or 'device' (the accelerator)")
+            offload.move_optimizer_state(self.optimizer, target, self.device)
+        offload.release_cached_memory(self.device)
 
     def _model_modules(self) -> list[torch.nn.Module]:
         """The modules whose tensors `to(model=True)` moves (the transformer's stay with param_offload)."""
         modules = [] if self.cfg.param_offload else [self.transformer]
         return modules if self.reference is None else [*modules, self.reference]
 
-    def _check_gradients_follow(self, target: torch.device, *, model: bool, grad: bool) -> None:
-        if model == grad:
-            return
-        stranded = [
-            name
-            for module in self._model_modules()
-            for name, p in module.named_parameters()
-            if p.grad is not None and p.grad.device != target
-        ]
-        if stranded:
-            raise ValueError(
-                f"TrainEngine.to(model={model}, grad={grad}): {len(stranded)} gradients (e.g. {stranded[0]!r}) "
-                "would have to live apart from their parameters, which torch does not allow: pass "
-                "model=True and grad=True together, or call it after optim_step (no gradients then)"
-            )
-
-    def _move_optimizer_state(self, target: torch.device) -> bool:
-        """Move every non-scalar AdamW state tensor to `target`; True when anything moved."""
-        moved = False
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                # 0-d tensors are the step counts, which AdamW keeps on the CPU unless fused or
-                # capturable (then on the device): leaving them in place suits both.
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != target:
-                    # to the CPU: into pinned memory, asynchronously (synchronised below); back:
-                    # from that pinned memory, ordered before the step's kernels on the stream
-                    state[key] = value.to(target, non_blocking=True)
-                    moved = True
-        if moved and target.type == "cpu" and self.device.type == "cuda":
-            # the host must not read the copies (a checkpoint, the next load) before they land
-            torch.cuda.synchronize(self.device)
-        return moved
-
-    @contextmanager
-    def _optimizer_on_device(self) -> Iterator[None]:
-        """With `actor.optimizer_offload`: the AdamW state on the device inside, in host memory after."""
-        if not self.cfg.optimizer_offload:
-            yield
-            return
-        self._move_optimizer_state(self.device)
-        try:
-            yield
-        finally:
-            if self._move_optimizer_state(torch.device("cpu")):
-                self._release_cached_memory()
-
-    def _saved_tensors_offload(self):
-        """The context of one training forward: with `actor.activation_offload` torch's own
-        `save_on_cpu` (what autograd saves goes to pinned host memory until backward)."""
-        if not self.cfg.activation_offload:
-            return nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-
-    def _release_cached_memory(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def _optimizer_on_device(self) -> AbstractContextManager[None]:
+        return offload.optimizer_on_device(self.optimizer, self.device, enabled=self.cfg.optimizer_offload)
 
     # ------------------------------------------------------------------------------ internals
     def _pad_to_peers(
