@@ -162,6 +162,8 @@ class ValidationConfig:
     num_inference_steps: int | None = None  # null = rollout.pipeline.num_inference_steps
     noise_level: float = 0.0  # 0 = the deterministic ODE sampler
 
+    LOG_PROB_PASSES = ("auto", "trainer", "rollout")
+
     def validate(self, at: str) -> None:
         require_at_least(f"{at}.n", self.n, 1)
         require_at_least(f"{at}.seed", self.seed, 0)
@@ -198,11 +200,16 @@ class RolloutConfig:
     replicas: int = 1  # sampler replicas, each a model copy without optimizer state
     gpus_per_replica: float = 1.0  # below 1 shares a GPU (e.g. 0.5 next to a 0.5 trainer on one GPU)
     requests_in_flight: int = 2  # prompt-group requests queued on each replica at a time
+    # where the passes without gradient run (recomputed old log-probs, reference means):
+    # auto | trainer | rollout (the replicas; separate placement; docs/async.md, "Balanced pools")
+    log_prob_passes: str = "auto"
     ray_resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per replica
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sde: SdeConfig = field(default_factory=SdeConfig)
     val: ValidationConfig = field(default_factory=ValidationConfig)
+
+    LOG_PROB_PASSES = ("auto", "trainer", "rollout")
 
     def validate(self, at: str) -> None:
         require_at_least(f"{at}.n", self.n, 1)
@@ -210,6 +217,7 @@ class RolloutConfig:
         require_at_least(f"{at}.replicas", self.replicas, 1)
         require(self.gpus_per_replica > 0, f"{at}.gpus_per_replica", self.gpus_per_replica, "must be > 0")
         require_at_least(f"{at}.requests_in_flight", self.requests_in_flight, 1)
+        require_choice(f"{at}.log_prob_passes", self.log_prob_passes, self.LOG_PROB_PASSES)
         _require_ray_resources(f"{at}.ray_resources", self.ray_resources)
         self.weight_sync.validate(f"{at}.weight_sync")
         if self.seed is not None:
@@ -706,6 +714,34 @@ class Config:
                 f"{self.algorithm.old_log_probs}): there is no second log-prob to correct against. Set "
                 "algorithm.old_log_probs=recompute, or leave is_level and rejection at none",
             )
+        passes = self.rollout.log_prob_passes
+        if passes == "rollout":
+            require(
+                self.trainer.placement == "separate",
+                "rollout.log_prob_passes",
+                passes,
+                "needs trainer.placement=separate (a rollout pool of its own): colocated workers "
+                "sample and train on one module already; leave it at auto",
+            )
+            require(
+                self.actor.micro_batch_size <= self._request_size
+                and self._request_size % self.actor.micro_batch_size == 0,
+                "rollout.log_prob_passes",
+                passes,
+                f"needs the replicas' requests of {self._request_size} samples (whole groups of "
+                f"rollout.n={n} within rollout.micro_batch_size={self.rollout.micro_batch_size}) to "
+                f"split into whole micro-batches of actor.micro_batch_size={self.actor.micro_batch_size}, "
+                "the trainer's: set rollout.micro_batch_size to a multiple of it, or "
+                "rollout.log_prob_passes=trainer",
+            )
+            require(
+                self.actor.loss.kl_coef == 0 or self.model.lora.rank > 0,
+                "rollout.log_prob_passes",
+                passes,
+                "cannot run the reference pass of full fine-tuning (model.lora.rank=0) on the "
+                "replicas: they hold no frozen copy of the base weights. Use LoRA, or "
+                "rollout.log_prob_passes=trainer",
+            )
         if self.algorithm.train_step_range is not None:
             steps = self.rollout.pipeline.num_inference_steps
             on_samples = [
@@ -808,6 +844,41 @@ class Config:
             and rc.is_level == "none"
             and rc.rejection == "none"
         )
+
+    @property
+    def _request_size(self) -> int:
+        """Samples in one replica request: whole prompt groups of one sampler micro-batch."""
+        return max(1, self.rollout.micro_batch_size // self.rollout.n) * self.rollout.n
+
+    @property
+    def rollout_passes(self) -> tuple[str, ...]:
+        """The passes without gradient that the rollout replicas run (`rollout.log_prob_passes`):
+        `default` (the recomputed old log-probs) and `reference` (the KL reference's means),
+        or none: they then run on the trainer ranks.
+
+        `auto` moves them when the replica computes bitwise what the trainer would: separate
+        placement, policy-gradient training, requests that split into the trainer's micro-batches.
+        The old log-probs move only when the trainer computes with the weights' own dtypes (one
+        rank, or ddp): FSDP2's mixed precision casts the fp32 LoRA weights to the compute dtype,
+        the replica does not. The reference pass (LoRA: the adapters disabled, the base weights in
+        their own dtype on both sides) moves whenever LoRA is on; full fine-tuning keeps its frozen
+        reference copy on the trainer only."""
+        choice = self.rollout.log_prob_passes
+        if (
+            choice == "trainer"
+            or self.trainer.placement != "separate"
+            or self.algorithm.trainer_type != POLICY_GRADIENT
+        ):
+            return ()
+        if choice == "auto" and self._request_size % self.actor.micro_batch_size:
+            return ()
+        passes = []
+        exact = self.world_size == 1 or self.actor.strategy == "ddp"
+        if not self.reuses_rollout_log_probs and (choice == "rollout" or exact):
+            passes.append("default")
+        if self.actor.loss.kl_coef > 0 and self.model.lora.rank > 0:
+            passes.append("reference")
+        return tuple(passes)
 
     @property
     def rollout_seed(self) -> int:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from diffrl.config.schema import Config
 from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
+from diffrl.controller.pool_sizing import SizingAdvisor, pool_metrics
 from diffrl.controller.validation import run_validation
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.telemetry import PhaseTimer, RunLogger
@@ -89,6 +90,19 @@ class TrainingLoop:
         self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
         self.resume_sync_metrics: dict[str, float] = {}
+        # the passes without gradient the replicas run (policy gradient sets cfg.rollout_passes)
+        self.rollout_passes: tuple[str, ...] = ()
+        # seconds this step's trainer waited for the rollout pool (samples, and passes it ran)
+        self.wait_s = 0.0
+        self.sizing = (
+            SizingAdvisor(
+                self.workers.size,
+                self.placement.samplers.size,
+                whole_workers=cfg.trainer.gpus_per_worker >= 1 and cfg.rollout.gpus_per_replica >= 1,
+            )
+            if cfg.trainer.placement == "separate"
+            else None
+        )
         # this start's record for summary.json (`run_stats`)
         self.wall_s, self.steps_this_start, self.peaks = 0.0, 0, {}
 
@@ -119,25 +133,60 @@ class TrainingLoop:
         if self.next_batch is None:
             records = [record for _, record in self.sampler.next_batch()]
             metrics.update(self.placement.sync_weights(self.step - 1))
-            pending = self._sample(records, self.step, policy)
+            # sampled with the weights this step starts from: every pass can run with the sample
+            pending = self._sample(records, self.step, policy, self.rollout_passes)
         else:
             (records, pending), self.next_batch = self.next_batch, None
+        waited = time.perf_counter()
         rollout = pending.result()
+        self.wait_s = time.perf_counter() - waited
         # The replicas are idle now: give them the weights this step starts from before they
         # sample the next batch (a no-op, returning nothing, when the sync above already did).
         metrics.update(self.placement.sync_weights(self.step - 1))
+        # A batch sampled one version behind gets the passes that need this step's weights (the
+        # old log-probs) now, queued on the replicas before the next batch's requests.
+        later = [name for name in self.rollout_passes if not rollout.computed(name)]
+        if later:
+            self.placement.evaluate_later(rollout, later, self.step - 1)
         if self.one_step_off and not self._ends_with_checkpoint(self.step):
             upcoming = [record for _, record in self.sampler.next_batch()]
-            self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy))
+            # sampled with this step's weights, trained from the next step's: the reference pass
+            # (fixed weights) runs with the sample, the old log-probs after the next sync
+            ahead = tuple(name for name in self.rollout_passes if name != POLICY)
+            self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy, ahead))
         versions = rollout.summary.extras.pop("weight_version_B")
         metrics["rollout/weight_version"] = float(versions.min())
         metrics["rollout/staleness"] = float(self.step - 1 - versions.min())
         return records, rollout, metrics
 
-    def _sample(self, records: list[PromptRecord], step: int, policy: str) -> PendingRollout:
+    def pool_metrics(self, rollout_busy_s: float, step_s: float) -> dict[str, float]:
+        """Separate placement: each pool's busy and idle time this step (diffrl.controller.pool_sizing);
+        after the first measured steps, the balanced split is printed once. Empty when colocated."""
+        if self.sizing is None:
+            return {}
+        metrics = pool_metrics(
+            wait_s=self.wait_s,
+            rollout_busy_s=rollout_busy_s,
+            replicas=self.placement.samplers.size,
+            step_s=step_s,
+        )
+        advice = self.sizing.observe({**metrics, "timing_s/step": step_s})
+        if advice is not None:
+            print(advice)
+        return metrics
+
+    def _sample(
+        self, records: list[PromptRecord], step: int, policy: str, passes: tuple[str, ...] = ()
+    ) -> PendingRollout:
         uids = [f"{step}:{i}" for i in range(len(records))]
         return self.placement.sample(
-            records, uids, step=step, rewards=self.rewards, policy=policy, keep=self.keep_rollouts
+            records,
+            uids,
+            step=step,
+            rewards=self.rewards,
+            policy=policy,
+            keep=self.keep_rollouts,
+            passes=passes,
         )
 
     def _ends_with_checkpoint(self, step: int) -> bool:

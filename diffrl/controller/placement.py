@@ -28,8 +28,10 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from diffrl.config.schema import Config
 from diffrl.controller.sharding import prompt_shard
@@ -61,6 +63,39 @@ class StagedRollout:
 
     summary: RolloutSummary
     parts: list[Any]
+    # per part, the passes without gradient the replicas ran on it (`RolloutWorker.evaluate`):
+    # {policy: (log-probs [b, W], its SDE means handed over)}; `Separate.evaluate_later` adds more
+    passes: list[dict[str, tuple[torch.Tensor, Any]]] = field(default_factory=list)
+    # seconds the rollout pool spent on this batch, summed over the replicas' calls
+    rollout_busy_s: float = 0.0
+    # passes still running on the replicas: (one future per part, the weight version they must use)
+    later: tuple[list[WorkerFuture], int] | None = None
+    timeout_s: float = 0.0
+
+    def computed(self, policy: str) -> bool:
+        """Whether every part comes with `policy`'s pass (sampled with it, or `later`)."""
+        return bool(self.passes) and all(policy in piece for piece in self.passes)
+
+    def pass_result(self, policy: str) -> tuple[torch.Tensor, list[Any]] | None:
+        """(log-probs of all rows, the SDE means' pieces in row order) of `policy` as the replicas
+        computed them, waiting (at most `timeout_s`) for passes still running; None when the
+        replicas did not compute it (the trainer ranks do then)."""
+        if self.later is not None:
+            (futures, version), self.later = self.later, None
+            for piece, answer in zip(self.passes, gather(futures, timeout=self.timeout_s), strict=True):
+                if answer["weight_version"] != version:  # the loop's order guarantees it
+                    raise RuntimeError(
+                        f"a replica computed passes with weight version {answer['weight_version']}, "
+                        f"not {version}: the weights the update starts from"
+                    )
+                piece.update(answer["passes"])
+                self.rollout_busy_s += answer["busy_s"]
+        if not self.computed(policy):
+            return None
+        return (
+            torch.cat([piece[policy][0] for piece in self.passes]),
+            [piece[policy][1] for piece in self.passes],
+        )
 
     def fetch(self) -> Rollout:
         """The whole rollout here, for a loop that builds its batches on the controller (the
@@ -87,8 +122,14 @@ class PendingRollout:
                     ) from None
             else:
                 pieces = gather(self._wait, timeout=self._timeout_s)
+            passes = [summary.extras.pop("passes", {}) for summary, _ in pieces]
+            busy = sum(summary.extras.pop("busy_s", 0.0) for summary, _ in pieces)
             self._staged = StagedRollout(
-                concat_summaries([summary for summary, _ in pieces]), [part for _, part in pieces]
+                concat_summaries([summary for summary, _ in pieces]),
+                [part for _, part in pieces],
+                passes=passes,
+                rollout_busy_s=busy,
+                timeout_s=self._timeout_s,
             )
         return self._staged
 
@@ -158,11 +199,19 @@ class Placement(ABC):
         rewards: Any,
         policy: str = POLICY,
         keep: bool = False,
+        passes: Sequence[str] = (),
     ) -> PendingRollout:
         """Start sampling `rollout.n` trajectories per prompt; each micro-batch is scored as it decodes.
         `keep`: colocated, each worker keeps the part it sampled and the result's parts are `Kept`
         markers, for the loop to stage each on its own worker (diffrl.workers.staging); with
-        separate placement the replicas hand their parts over whatever `keep` says."""
+        separate placement the replicas hand their parts over whatever `keep` says. `passes`
+        (separate placement): the policies whose log-probs and means the replicas compute on each
+        fresh part with the weights that sampled it (`StagedRollout.pass_result`)."""
+
+    def evaluate_later(self, staged: StagedRollout, policies: Sequence[str], version: int) -> None:
+        """Start `policies`' passes on `staged` with the weights the samplers hold now (`version`),
+        for `staged.pass_result` to collect. Only a placement with a rollout pool has them."""
+        raise NotImplementedError(f"{type(self).__name__} placement runs no passes on its samplers")
 
     @abstractmethod
     def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
@@ -188,6 +237,7 @@ class Colocated(Placement):
         rewards: Any,
         policy: str = POLICY,
         keep: bool = False,
+        passes: Sequence[str] = (),
     ) -> PendingRollout:
         world, n = self.trainer.size, self.cfg.rollout.n
         per_worker = len(records) // world
@@ -269,8 +319,11 @@ class Separate(Placement):
         rewards: Any,
         policy: str = POLICY,
         keep: bool = False,
+        passes: Sequence[str] = (),
     ) -> PendingRollout:
         kwargs = {"seed": self.cfg.rollout_seed, "step": step, "rewards": rewards, "policy": policy}
+        if passes:
+            kwargs["passes"] = tuple(passes)
         future = self._pump.submit(self._stream, self.requests(records, uids), kwargs)
         return PendingRollout(future, self.timeout_s)
 
@@ -310,6 +363,18 @@ class Separate(Placement):
                 results[index] = (summary, part)
                 load[replica] -= 1
         return [r for r in results if r is not None]
+
+    def evaluate_later(self, staged: StagedRollout, policies: Sequence[str], version: int) -> None:
+        """The one-step-off batch sampled one version behind gets its old log-probs right after the
+        sync that gave the replicas the weights the update starts from: part i goes to replica
+        i mod R (all hold the same weights), queued before the next batch's requests."""
+        futures = [
+            self.replicas.submit(i % self.replicas.size, "evaluate_parts", [part], tuple(policies))
+            for i, part in enumerate(staged.parts)
+        ]
+        if len(staged.passes) != len(staged.parts):
+            staged.passes = [{} for _ in staged.parts]
+        staged.later = (futures, version)
 
     # ------------------------------------------------------------------------------ weights
     def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:

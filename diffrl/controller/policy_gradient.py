@@ -25,6 +25,7 @@ The driver owns the loop and calls workers explicitly; one step reads top to bot
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from diffrl.algos.rollout_correction import rollout_correction_from_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import local_owners, mini_batches
-from diffrl.controller.placement import Colocated
+from diffrl.controller.placement import Colocated, StagedRollout
 from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops, peak_over_workers
@@ -66,6 +67,8 @@ class PolicyGradientTrainer(TrainingLoop):
         colocated = isinstance(self.placement, Colocated)
         self.owners = local_owners(cfg, cfg.data.prompts_per_step, self.workers.size) if colocated else 1
         self.keep_rollouts = self.owners > 1
+        # separate placement: the passes without gradient the replicas run (docs/async.md)
+        self.rollout_passes = cfg.rollout_passes
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -94,7 +97,7 @@ class PolicyGradientTrainer(TrainingLoop):
 
         if not self.reuse_rollout_log_probs:
             with self.timer.phase("old_log_prob"):
-                old_log_probs, old_means = self._log_probs(rollout, POLICY)
+                old_log_probs, old_means = self._log_probs(rollout, POLICY, staged)
             targets.old_log_probs_BW = old_log_probs
             if self.needs_old_mean:
                 means["old_means"] = old_means
@@ -109,7 +112,7 @@ class PolicyGradientTrainer(TrainingLoop):
             targets.train_mask_BW = self._train_mask(rollout)
         if cfg.actor.loss.kl_coef > 0:
             with self.timer.phase("ref"):
-                means["ref_means"] = self._log_probs(rollout, REFERENCE)[1]
+                means["ref_means"] = self._log_probs(rollout, REFERENCE, staged)[1]
 
         with self.timer.phase("update_actor"):
             if self.keep_rollouts:  # each worker's SDE means are its own rows' (`_log_probs`)
@@ -126,6 +129,7 @@ class PolicyGradientTrainer(TrainingLoop):
 
         images = len(rollout)
         metrics.update(self.timer.metrics(images, self.placement.gpus))
+        metrics.update(self.pool_metrics(staged.rollout_busy_s, metrics["timing_s/step"]))
         if self.peak is not None:
             flops = self._flops(rollout)
             metrics.update(
@@ -151,9 +155,18 @@ class PolicyGradientTrainer(TrainingLoop):
         subset = timestep_subset(rollout.window_size, self.cfg.algorithm.timestep_fraction, gens)
         return timestep_subset_mask(subset, rollout.window_size)
 
-    def _log_probs(self, rollout: RolloutSummary, policy: str) -> tuple[torch.Tensor, list]:
-        """Log-probs of the staged rollout under `policy`, each worker an equal, consecutive share
-        of the samples; the SDE means stay handed over (object references under Ray), in order."""
+    def _log_probs(
+        self, rollout: RolloutSummary, policy: str, staged: StagedRollout
+    ) -> tuple[torch.Tensor, list]:
+        """Log-probs of the staged rollout under `policy`: the replicas' when they computed them
+        (`rollout.log_prob_passes`; the wait counts as the trainer's), else each trainer worker
+        an equal, consecutive share of the samples; the SDE means stay handed over (object
+        references under Ray), in order."""
+        waited = time.perf_counter()
+        computed = staged.pass_result(policy)
+        if computed is not None:
+            self.wait_s += time.perf_counter() - waited
+            return computed
         size = len(rollout) // self.workers.size
         shares = [slice(i * size, (i + 1) * size) for i in range(self.workers.size)]
         parts = self.workers.scatter("staged_log_probs", shares, policy=policy, keep=self.keep_rollouts)

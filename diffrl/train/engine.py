@@ -49,7 +49,7 @@ from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.train import offload
 from diffrl.train.batch import PolicyGradientBatch
-from diffrl.train.lora import inject_lora, merged_adapter
+from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
 from diffrl.train.parallel import average_gradients, choose_strategy
 from diffrl.transition import Rollout, evaluate_step, evaluate_window
 
@@ -206,20 +206,13 @@ class TrainEngine:
         if name == OLD:
             if not self.lora:
                 raise ValueError("no `old` policy: it exists only with LoRA and with_old=True")
-            self.transformer.set_adapter(OLD)
-            try:
+            with lora_policy(self.transformer, OLD, POLICY):
                 yield
-            finally:
-                self.transformer.set_adapter(POLICY)
             return
         if name == REFERENCE:
             if self.lora:
-                self.transformer.disable_adapters()
-                try:
+                with lora_policy(self.transformer, None, POLICY):
                     yield
-                finally:
-                    self.transformer.enable_adapters()
-                    self.transformer.set_adapter(POLICY)
                 return
             if self.reference is None:
                 raise ValueError("no reference model: full fine-tuning keeps one only when KL is on")

@@ -116,3 +116,21 @@ def merged_adapter(adapter: ModelAdapter, name: str) -> Iterator[None]:
             yield
     finally:
         adapter.lora_autocast = autocast
+
+
+@contextmanager
+def lora_policy(transformer: torch.nn.Module, name: str | None, default: str) -> Iterator[None]:
+    """Run the LoRA-injected `transformer` with adapter `name` active, or with every adapter
+    disabled (`name=None`: the base model, the reference policy), then with `default` again. The
+    trainer (`TrainEngine.use_policy`) and a rollout replica (`RolloutWorker.evaluate`) switch
+    policies through this one function, so both run the same modules."""
+    if name is None:
+        transformer.disable_adapters()
+    else:
+        transformer.set_adapter(name)
+    try:
+        yield
+    finally:
+        if name is None:
+            transformer.enable_adapters()
+        transformer.set_adapter(default)

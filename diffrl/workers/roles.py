@@ -1,6 +1,7 @@
 """Worker roles: plain classes that a Ray actor (or a test, in-process) hosts, one per GPU.
 
-    RolloutWorker    a sampler on its own copy of the model (weights arrive by `receive_weights`)
+    RolloutWorker    a sampler on its own copy of the model (weights arrive by `receive_weights`);
+                     in diffrl.workers.rollout_worker, re-exported here
     ActorWorker      the training engine
     HybridWorker     actor and sampler sharing one module in one process: no weight copy at all
 
@@ -17,8 +18,8 @@ losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FL
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,26 +27,18 @@ from typing import Any
 import torch
 
 from diffrl.config.schema import Config
-from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
-from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
-from diffrl.train.engine import OLD, POLICY, REFERENCE, TrainEngine
-from diffrl.train.lora import inject_lora, merged_adapter
+from diffrl.train.engine import POLICY, REFERENCE, TrainEngine
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
+from diffrl.workers.rollout_worker import (
+    PromptShard,
+    RolloutWorker,
+    build_adapter,
+    weight_digests,
+    worker_device,
+)
 from diffrl.workers.staging import LocalStore, StagedRows, handed_over
-
-
-@dataclass(frozen=True)
-class PromptShard:
-    """One worker's share of a step's prompts. `sample_offset` is the step-wide index of its first
-    sample: sample indices key the noise, so they stay global however the prompts are split."""
-
-    prompts: list[str]
-    uids: list[str]
-    metadata: list[dict[str, Any]]
-    negative_prompts: list[str] | None
-    sample_offset: int
 
 
 @dataclass(frozen=True)
@@ -62,194 +55,12 @@ class ImageShard:
 _PROMPT_CACHE_SIZE = 4096
 
 
-def worker_device() -> torch.device:
-    """This process's device: its GPU (cuda:0 under Ray, cuda:LOCAL_RANK under torchrun) or the CPU."""
-    from diffrl.train.distributed import device_for_rank
-
-    return device_for_rank()
-
-
-def build_adapter(cfg: Config) -> ModelAdapter:
-    """The configured model on this process's device: dtype, attention backend, compilation."""
-    adapter = load_model(cfg.model.path, cfg.model.dtype, worker_device())
-    if cfg.model.attn_backend != "native":
-        adapter.transformer.set_attention_backend(cfg.model.attn_backend)
-    return adapter
-
-
 def join_process_group() -> None:
     """Form the workers' torch.distributed group from the env vars the WorkerGroup set."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         from diffrl.train.distributed import init_distributed
 
         init_distributed()
-
-
-class RolloutWorker:
-    """Samples trajectories and scores them as they decode.
-
-    Colocated, it wraps the actor's own module (`HybridWorker`); as a replica of the separate
-    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer, no
-    gradients) and receives the trainer's weights through `receive_weights`. `weight_version`
-    counts the trainer steps behind the weights it samples with; every rollout records it.
-    """
-
-    def __init__(
-        self,
-        cfg: Config,
-        adapter: ModelAdapter | None = None,
-        *,
-        with_old: bool = False,
-        use_policy: Callable[[str], AbstractContextManager] | None = None,
-    ):
-        self.cfg = cfg
-        self.weight_version = 0
-        self._weight_sync: Any = None  # the WeightSyncGroup of a replica, once joined
-        if adapter is None:  # a replica: the actor's LoRA layout and dtypes, so its weights stream in 1:1
-            adapter = build_adapter(cfg)
-            if cfg.model.lora.rank > 0:
-                inject_lora(
-                    adapter, cfg.model.lora, [POLICY, OLD] if with_old else [POLICY], seed=cfg.trainer.seed
-                )
-            adapter.transformer.requires_grad_(False)
-            if cfg.model.compile:
-                adapter.compile_blocks()
-        self.adapter = adapter
-        self._use_policy = use_policy or self._set_adapter
-        self.sampler = TrajectorySampler(self.adapter, cfg.rollout, progress=False)
-
-    @contextmanager
-    def _set_adapter(self, policy: str) -> Iterator[None]:
-        """A replica samples as policy `policy` (`old` for DiffusionNFT) by switching peft's adapter,
-        or with model.lora.merge_inference by merging it into the weights."""
-        if self.cfg.model.lora.rank > 0 and self.cfg.model.lora.merge_inference:
-            with merged_adapter(self.adapter, policy):
-                yield
-            return
-        if policy == POLICY:
-            yield
-            return
-        self.adapter.transformer.set_adapter(policy)
-        try:
-            yield
-        finally:
-            self.adapter.transformer.set_adapter(POLICY)
-
-    def sample(
-        self,
-        prompts: Sequence[str],
-        *,
-        seed: int,
-        step: int,
-        uids: Sequence[str] | None = None,
-        metadata: Sequence[dict[str, Any]] | None = None,
-    ) -> Rollout:
-        with torch.no_grad(), self._use_policy(POLICY):
-            return self.sampler.sample(prompts, seed=seed, step=step, uids=uids, metadata=metadata)
-
-    def sample_and_score(
-        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
-    ) -> tuple[RolloutSummary, Any]:
-        """Sample a shard of prompts as `policy`; each decoded micro-batch goes to `rewards.submit`
-        at once.
-
-        Returns the rollout's summary for the controller (the reward handles, in sample order, and
-        the weight version in its extras) and the rollout itself on the CPU for the trainer ranks:
-        in a Ray worker as an object reference, which the controller passes on without fetching
-        the tensors (`ActorWorker.stage`)."""
-        summary, rollout = self.sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
-        return summary, handed_over(rollout)
-
-    def sample_scored(
-        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
-    ) -> tuple[RolloutSummary, Rollout]:
-        """`sample_and_score`'s summary and rollout (on the CPU, without extras), in process."""
-        rollout = self._sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
-        return rollout.summary(), replace(rollout, extras={})
-
-    def _sample_scored(
-        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str
-    ) -> Rollout:
-        """The rollout of `sample_and_score`, with the reward handles and the weight version in
-        its extras."""
-        handles: list[Any] = []
-        with torch.no_grad(), self._use_policy(policy):
-            rollout = self.sampler.sample(
-                shard.prompts,
-                seed=seed,
-                step=step,
-                uids=shard.uids,
-                metadata=shard.metadata,
-                negative_prompts=shard.negative_prompts,
-                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
-                sample_offset=shard.sample_offset,
-            )
-        rollout = rollout.to("cpu")
-        rollout.extras["reward_handles"] = handles
-        rollout.extras["weight_version"] = self.weight_version
-        return rollout
-
-    def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
-        """`sample_validation` of a shard of prompts, scored."""
-        with self._use_policy(POLICY):
-            rollout = self.sampler.sample_validation(
-                shard.prompts,
-                uids=shard.uids,
-                metadata=shard.metadata,
-                negative_prompts=shard.negative_prompts,
-                sample_offset=shard.sample_offset,
-            ).to("cpu")
-        handles: list[Any] = []
-        _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
-        rollout.extras["reward_handles"] = handles
-        return rollout
-
-    def memory(self) -> dict[str, float]:
-        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
-        from diffrl.telemetry import memory_metrics
-
-        return memory_metrics(self.adapter.device)
-
-    # ------------------------------------------------------------------ weights (separate placement)
-    def join_weight_sync(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
-    ) -> None:
-        """Join the trainer's weight-sync group as rank `rank` (trainer rank 0 is rank 0)."""
-        from diffrl.workers.weight_sync import WeightSyncGroup
-
-        self._weight_sync = WeightSyncGroup.join(
-            host, port, rank, world_size, backend=backend, timeout_s=timeout_s
-        )
-
-    @torch.no_grad()
-    def receive_weights(self, specs: Sequence[Any], version: int, bucket_bytes: int) -> dict[str, float]:
-        """Receive the tensors `specs` names into the module, in place; sample as `version` from now."""
-        if self._weight_sync is None:
-            raise RuntimeError("receive_weights before join_weight_sync: the controller must join first")
-        params = self.adapter.transformer.state_dict(keep_vars=True)
-        stats = self._weight_sync.receive(specs, params, bucket_bytes=bucket_bytes)
-        self.weight_version = version
-        return stats.metrics()
-
-    def weight_digest(self) -> dict[str, str]:
-        """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""
-        return _digests(self.adapter.transformer.state_dict())
-
-    def close_weight_sync(self) -> None:
-        if self._weight_sync is not None:
-            self._weight_sync.close()
-            self._weight_sync = None
-
-
-def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    import hashlib
-
-    out = {}
-    for name, tensor in state.items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        data = full.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        out[name] = hashlib.sha256(data).hexdigest()
-    return out
 
 
 class ActorWorker:
@@ -544,7 +355,7 @@ class ActorWorker:
 
     def weight_digest(self) -> dict[str, str]:
         """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""
-        return _digests(self.engine.transformer.state_dict())
+        return weight_digests(self.engine.transformer.state_dict())
 
     def close_weight_sync(self) -> None:
         if self._weight_sync is not None:
@@ -616,16 +427,6 @@ def _to_device(
         rollout = replace(mb.rollout.to_samples_device(device), prompt_embeds=tables[key])
         moved.append(PolicyGradientBatch(rollout, mb.targets.to(device)))
     return moved
-
-
-def _submitter(rewards: Any, prompts: Sequence[str], metadata: Sequence[dict], handles: list[Any]):
-    """An `on_decoded` callback sending each micro-batch's pixels to the reward workers."""
-
-    def submit(chunk) -> None:
-        rows = chunk.prompt_index_B.tolist()
-        handles.append(rewards.submit(chunk.pixels, [prompts[i] for i in rows], [metadata[i] for i in rows]))
-
-    return submit
 
 
 __all__ = [

@@ -27,8 +27,17 @@ BASE = [
     "trainer.loggers=[jsonl]",
 ]
 SEPARATE = ["trainer.placement=separate", "rollout.replicas=2", "rollout.requests_in_flight=1"]
-# Wall clock, and what only a separate run has: weight-sync costs and weight versions.
-ONE_MODE_ONLY = ("timing", "throughput", "perf/", "time", "memory", "weight_sync/", "rollout/")
+# Wall clock, and what only a separate run has: weight-sync costs, weight versions, pool times.
+ONE_MODE_ONLY = (
+    "timing",
+    "throughput",
+    "perf/",
+    "time",
+    "memory",
+    "weight_sync/",
+    "rollout/",
+    "trainer/wait",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -175,3 +184,88 @@ def test_separate_replicas_sample_merged_as_the_colocated_worker_does(tmp_path):
     for step in (1, 2, 3):
         assert comparable(separate[step]) == comparable(colocated[step]), step
         assert math.isfinite(colocated[step]["actor/loss"])
+
+
+def test_replica_passes_equal_the_trainers_bitwise(tmp_path):
+    """The balanced pools' proof: after a (gloo) weight sync the replicas' log-probs and SDE means,
+    computed with the sample or later (`evaluate_later`, the one-step-off path), are bitwise the
+    trainer ranks' own `staged_log_probs` of the same rows, for the trained policy and for the
+    reference (the adapters disabled); and after two updates the two policies differ, so the
+    comparison cannot pass with a zero adapter."""
+    cfg = load_config(
+        BASE[0],
+        [
+            *BASE[1:],
+            *SEPARATE,
+            "trainer.total_steps=2",
+            "actor.loss.kl_coef=0.01",
+            f"trainer.output_dir={tmp_path}",
+        ],
+    )
+    assert cfg.rollout_passes == ("default", "reference")  # auto: one trainer rank, LoRA
+    train_records, _ = preflight(cfg)
+    with (
+        placement_session(cfg) as (placement, rewards),
+        RunLogger(tmp_path, ["jsonl"], total_steps=2, config={}, run_name="passes") as logger,
+    ):
+        loop = PolicyGradientTrainer(
+            cfg,
+            tmp_path,
+            reuse_rollout_log_probs=False,
+            placement=placement,
+            rewards=rewards,
+            train_records=train_records,
+            val_records=[],
+            logger=logger,
+        )
+        for step in (1, 2):
+            loop.step = step
+            loop.train_step()
+        placement.sync_weights(2)
+        records = train_records[: cfg.data.prompts_per_step]
+        uids = [str(i) for i in range(len(records))]
+        with_sample = placement.sample(
+            records, uids, step=3, rewards=rewards, passes=("default", "reference")
+        ).result()
+        later = placement.sample(records, uids, step=3, rewards=rewards, passes=("reference",)).result()
+        assert not later.computed("default")
+        placement.evaluate_later(later, ["default"], version=2)
+        rows = slice(0, cfg.images_per_step)
+        for staged in (with_sample, later):
+            assert len(staged.parts) == 2  # two requests, joined on the trainer
+            placement.trainer.call("stage", staged.parts)
+            for policy in ("default", "reference"):
+                replica_lp, replica_means = staged.pass_result(policy)
+                trainer_lp, trainer_means = placement.trainer.call("staged_log_probs", rows, policy=policy)[0]
+                assert torch.equal(replica_lp, trainer_lp), policy
+                assert torch.equal(torch.cat(ray.get(replica_means)), ray.get(trainer_means)), policy
+        policy_lp, reference_lp = (
+            with_sample.pass_result("default")[0],
+            with_sample.pass_result("reference")[0],
+        )
+        assert not torch.equal(policy_lp, reference_lp)
+        # the sampler's own log-probs: the same policy, not asserted bitwise (the sampler's path)
+        torch.testing.assert_close(with_sample.summary.log_probs_BW, policy_lp, rtol=1e-4, atol=1e-4)
+
+
+def test_one_step_off_with_replica_passes_trains_as_with_trainer_passes(tmp_path):
+    """One step off with KL: the passes on the replicas (auto) and on the trainer give the same
+    run, metric for metric, and the pool metrics are logged."""
+    args = [
+        *BASE[1:],
+        *SEPARATE,
+        "trainer.async_mode=one_step_off",
+        "trainer.test_freq=0",
+        "actor.loss.kl_coef=0.01",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    on_replicas = read_metrics(train(BASE[0], [*args, "trainer.run_name=replicas"]))
+    on_trainer = read_metrics(
+        train(BASE[0], [*args, "rollout.log_prob_passes=trainer", "trainer.run_name=trainer"])
+    )
+    assert sorted(on_replicas) == sorted(on_trainer) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert comparable(on_replicas[step]) == comparable(on_trainer[step]), step
+        for key in ("trainer/wait_fraction", "rollout/idle_fraction"):
+            assert 0.0 <= on_replicas[step][key] <= 1.0, key
+        assert on_replicas[step]["rollout/busy_seconds"] > 0

@@ -41,6 +41,10 @@ NOT_IN_THESE_RUNS = {
     "weight_sync/bytes": "separate",
     "weight_sync/tensors": "separate",
     "weight_sync/full": "separate",
+    "trainer/wait_seconds": "separate",
+    "trainer/wait_fraction": "separate",
+    "rollout/busy_seconds": "separate",
+    "rollout/idle_fraction": "separate",
 }
 
 PG = [

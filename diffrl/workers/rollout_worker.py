@@ -1,0 +1,288 @@
+"""The rollout role: a sampler that scores its trajectories as they decode.
+
+`RolloutWorker` is both the sampling half of a colocated `HybridWorker` (wrapping the actor's own
+module) and, in the separate placement, a replica with its own copy of the model: no optimizer,
+no gradients, weights arriving by `receive_weights` (diffrl.workers.weight_sync). A replica can
+also run the passes that need no gradient on the trajectories it samples (`evaluate`): the
+reference pass, and the old log-probs when its weights are the ones the update starts from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from diffrl.config.schema import Config
+from diffrl.models import load_model
+from diffrl.models.base import ModelAdapter
+from diffrl.rollout.sampler import TrajectorySampler
+from diffrl.train.engine import OLD, POLICY, REFERENCE
+from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
+from diffrl.transition import Rollout, RolloutSummary, concat_rollouts, evaluate_window
+from diffrl.workers.staging import fetched, handed_over
+
+
+@dataclass(frozen=True)
+class PromptShard:
+    """One worker's share of a step's prompts. `sample_offset` is the step-wide index of its first
+    sample: sample indices key the noise, so they stay global however the prompts are split."""
+
+    prompts: list[str]
+    uids: list[str]
+    metadata: list[dict[str, Any]]
+    negative_prompts: list[str] | None
+    sample_offset: int
+
+
+def worker_device() -> torch.device:
+    """This process's device: its GPU (cuda:0 under Ray, cuda:LOCAL_RANK under torchrun) or the CPU."""
+    from diffrl.train.distributed import device_for_rank
+
+    return device_for_rank()
+
+
+def build_adapter(cfg: Config) -> ModelAdapter:
+    """The configured model on this process's device: dtype, attention backend, compilation."""
+    adapter = load_model(cfg.model.path, cfg.model.dtype, worker_device())
+    if cfg.model.attn_backend != "native":
+        adapter.transformer.set_attention_backend(cfg.model.attn_backend)
+    return adapter
+
+
+class RolloutWorker:
+    """Samples trajectories and scores them as they decode.
+
+    Colocated, it wraps the actor's own module (`HybridWorker`); as a replica of the separate
+    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer, no
+    gradients) and receives the trainer's weights through `receive_weights`. `weight_version`
+    counts the trainer steps behind the weights it samples with; every rollout records it.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        adapter: ModelAdapter | None = None,
+        *,
+        with_old: bool = False,
+        use_policy: Callable[[str], AbstractContextManager] | None = None,
+    ):
+        self.cfg = cfg
+        self.weight_version = 0
+        self._weight_sync: Any = None  # the WeightSyncGroup of a replica, once joined
+        if adapter is None:  # a replica: the actor's LoRA layout and dtypes, so its weights stream in 1:1
+            adapter = build_adapter(cfg)
+            if cfg.model.lora.rank > 0:
+                inject_lora(
+                    adapter, cfg.model.lora, [POLICY, OLD] if with_old else [POLICY], seed=cfg.trainer.seed
+                )
+            adapter.transformer.requires_grad_(False)
+            if cfg.model.compile:
+                adapter.compile_blocks()
+        self.adapter = adapter
+        self._use_policy = use_policy or self._set_adapter
+        self.sampler = TrajectorySampler(self.adapter, cfg.rollout, progress=False)
+
+    @contextmanager
+    def _set_adapter(self, policy: str) -> Iterator[None]:
+        """A replica samples as policy `policy` (`old` for DiffusionNFT) by switching peft's adapter,
+        or with model.lora.merge_inference by merging it into the weights."""
+        if self.cfg.model.lora.rank > 0 and self.cfg.model.lora.merge_inference:
+            with merged_adapter(self.adapter, policy):
+                yield
+            return
+        if policy == POLICY:
+            yield
+            return
+        self.adapter.transformer.set_adapter(policy)
+        try:
+            yield
+        finally:
+            self.adapter.transformer.set_adapter(POLICY)
+
+    def sample(
+        self,
+        prompts: Sequence[str],
+        *,
+        seed: int,
+        step: int,
+        uids: Sequence[str] | None = None,
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> Rollout:
+        with torch.no_grad(), self._use_policy(POLICY):
+            return self.sampler.sample(prompts, seed=seed, step=step, uids=uids, metadata=metadata)
+
+    def sample_and_score(
+        self,
+        shard: PromptShard,
+        *,
+        seed: int,
+        step: int,
+        rewards: Any,
+        policy: str = POLICY,
+        passes: Sequence[str] = (),
+    ) -> tuple[RolloutSummary, Any]:
+        """Sample a shard of prompts as `policy`; each decoded micro-batch goes to `rewards.submit`
+        at once.
+
+        Returns the rollout's summary for the controller (the reward handles, in sample order, the
+        weight version and the seconds this call took, `busy_s`, in its extras) and the rollout
+        itself on the CPU for the trainer ranks: in a Ray worker as an object reference, which the
+        controller passes on without fetching the tensors (`ActorWorker.stage`). `passes`: the
+        policies whose log-probs and SDE means to compute on the fresh rollout with the weights
+        that sampled it (`evaluate`), in the summary's extras as `passes`."""
+        start = time.perf_counter()
+        summary, rollout = self.sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+        if passes:
+            summary.extras["passes"] = self.evaluate(rollout, passes)
+        summary.extras["busy_s"] = time.perf_counter() - start
+        return summary, handed_over(rollout)
+
+    @torch.no_grad()
+    def evaluate(self, rollout: Rollout, policies: Sequence[str]) -> dict[str, tuple[torch.Tensor, Any]]:
+        """{policy: (log-probs [B, W] on the CPU, the SDE means handed over)} of `rollout`'s window
+        steps under each of `policies` (`policy` or `reference`, the adapters disabled), with the
+        trainer's math: `evaluate_window` in micro-batches of `actor.micro_batch_size`, the adapters
+        switched by `lora_policy`, as `TrainEngine.log_probs` does. On the same weights and the
+        same micro-batches the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
+        out: dict[str, tuple[torch.Tensor, Any]] = {}
+        on_device = rollout.to(self.adapter.device)
+        for policy in policies:
+            with self._evaluating(policy):
+                log_probs, means = evaluate_window(self.adapter, on_device, self.cfg.actor.micro_batch_size)
+            out[policy] = (log_probs.cpu(), handed_over(means.cpu()))
+        return out
+
+    def evaluate_parts(self, parts: Sequence[Any], policies: Sequence[str]) -> dict[str, Any]:
+        """`evaluate` of the handed-over rollout `parts` (joined in order) with the weights held
+        now: `passes`, the `weight_version` they used and the seconds it took (`busy_s`). The
+        one-step-off loop calls it right after a sync, for the batch sampled one version before."""
+        start = time.perf_counter()
+        rollout = concat_rollouts(fetched(parts))
+        passes = self.evaluate(rollout, policies)
+        return {
+            "passes": passes,
+            "weight_version": self.weight_version,
+            "busy_s": time.perf_counter() - start,
+        }
+
+    @contextmanager
+    def _evaluating(self, policy: str) -> Iterator[None]:
+        if policy == POLICY:
+            yield
+        elif policy == REFERENCE and self.cfg.model.lora.rank > 0:
+            with lora_policy(self.adapter.transformer, None, POLICY):
+                yield
+        else:
+            raise ValueError(
+                f"a replica evaluates the trained policy or, with LoRA, the reference (the adapters "
+                f"disabled), not {policy!r}: set rollout.log_prob_passes=trainer"
+            )
+
+    def sample_scored(
+        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
+    ) -> tuple[RolloutSummary, Rollout]:
+        """`sample_and_score`'s summary and rollout (on the CPU, without extras), in process."""
+        rollout = self._sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
+        return rollout.summary(), replace(rollout, extras={})
+
+    def _sample_scored(
+        self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str
+    ) -> Rollout:
+        """The rollout of `sample_and_score`, with the reward handles and the weight version in
+        its extras."""
+        handles: list[Any] = []
+        with torch.no_grad(), self._use_policy(policy):
+            rollout = self.sampler.sample(
+                shard.prompts,
+                seed=seed,
+                step=step,
+                uids=shard.uids,
+                metadata=shard.metadata,
+                negative_prompts=shard.negative_prompts,
+                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
+                sample_offset=shard.sample_offset,
+            )
+        rollout = rollout.to("cpu")
+        rollout.extras["reward_handles"] = handles
+        rollout.extras["weight_version"] = self.weight_version
+        return rollout
+
+    def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
+        """`sample_validation` of a shard of prompts, scored."""
+        with self._use_policy(POLICY):
+            rollout = self.sampler.sample_validation(
+                shard.prompts,
+                uids=shard.uids,
+                metadata=shard.metadata,
+                negative_prompts=shard.negative_prompts,
+                sample_offset=shard.sample_offset,
+            ).to("cpu")
+        handles: list[Any] = []
+        _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
+        rollout.extras["reward_handles"] = handles
+        return rollout
+
+    def memory(self) -> dict[str, float]:
+        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
+        from diffrl.telemetry import memory_metrics
+
+        return memory_metrics(self.adapter.device)
+
+    # ------------------------------------------------------------------ weights (separate placement)
+    def join_weight_sync(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join the trainer's weight-sync group as rank `rank` (trainer rank 0 is rank 0)."""
+        from diffrl.workers.weight_sync import WeightSyncGroup
+
+        self._weight_sync = WeightSyncGroup.join(
+            host, port, rank, world_size, backend=backend, timeout_s=timeout_s
+        )
+
+    @torch.no_grad()
+    def receive_weights(self, specs: Sequence[Any], version: int, bucket_bytes: int) -> dict[str, float]:
+        """Receive the tensors `specs` names into the module, in place; sample as `version` from now."""
+        if self._weight_sync is None:
+            raise RuntimeError("receive_weights before join_weight_sync: the controller must join first")
+        params = self.adapter.transformer.state_dict(keep_vars=True)
+        stats = self._weight_sync.receive(specs, params, bucket_bytes=bucket_bytes)
+        self.weight_version = version
+        return stats.metrics()
+
+    def weight_digest(self) -> dict[str, str]:
+        """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""
+        return weight_digests(self.adapter.transformer.state_dict())
+
+    def close_weight_sync(self) -> None:
+        if self._weight_sync is not None:
+            self._weight_sync.close()
+            self._weight_sync = None
+
+
+def weight_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    import hashlib
+
+    out = {}
+    for name, tensor in state.items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        data = full.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        out[name] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _submitter(rewards: Any, prompts: Sequence[str], metadata: Sequence[dict], handles: list[Any]):
+    """An `on_decoded` callback sending each micro-batch's pixels to the reward workers."""
+
+    def submit(chunk) -> None:
+        rows = chunk.prompt_index_B.tolist()
+        handles.append(rewards.submit(chunk.pixels, [prompts[i] for i in rows], [metadata[i] for i in rows]))
+
+    return submit
+
+
+__all__ = ["PromptShard", "RolloutWorker", "build_adapter", "weight_digests", "worker_device"]
