@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from diffrl.config import load_config
-from diffrl.controller.run import data_path
+from diffrl.controller.preflight import data_path
 from diffrl.data import load_prompts
 from diffrl.models import load_model
 from diffrl.rewards.shapes import ShapesReward

@@ -44,7 +44,7 @@ PIPELINE_PROMPTS = 2
 def check(source: str | None, overrides: Sequence[str] = (), *, quick: bool = False) -> CheckReport:
     """Load the config (`diffrl config` semantics), run every check, return the report."""
     cfg = load_config(source, overrides)
-    from diffrl.controller.run import preflight
+    from diffrl.controller.preflight import preflight
 
     train_records, val_records = preflight(cfg)
     return check_config(cfg, train_records, val_records, quick=quick)
@@ -57,7 +57,7 @@ def check_config(
     *,
     quick: bool,
 ) -> CheckReport:
-    """The checks of a config that passed the run's preflight (`diffrl.controller.run.preflight`)."""
+    """The checks of a config that passed the run's preflight (`diffrl.controller.preflight.preflight`)."""
     start = time.perf_counter()
     records = list(val_records or train_records)[:PIPELINE_PROMPTS] or list(train_records)[:1]
     group = list(train_records)[:1]  # one prompt group of rollout.n samples for the log-probs

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from diffrl.config import load_config
 from diffrl.config.schema import Config
-from diffrl.controller.run import preflight_common, worker_session
+from diffrl.controller.preflight import preflight_common
+from diffrl.controller.run import worker_session
 from diffrl.controller.validation import run_validation
 from diffrl.files import check_output_dir
 from diffrl.telemetry.report import HEADLINE, is_source_accuracy, validation_metrics

@@ -30,7 +30,8 @@ from PIL import Image
 from diffrl.config import load_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
-from diffrl.controller.run import job, preflight_common, print_report, run_loop
+from diffrl.controller.preflight import preflight_common
+from diffrl.controller.run import job, print_report, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, load_image_rows
 from diffrl.files import check_output_dir, open_regular, write_json
