@@ -103,8 +103,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from diffrl.rollout.generate import FLAGS, describe_settings, generate, sampling_settings
+    from diffrl.rollout.generate import FLAGS, check_device, describe_settings, generate, sampling_settings
 
+    if args.device is not None:
+        check_device(args.device)  # before anything reads the model directory
     prompts = list(args.prompt)
     if args.prompts_file:
         from diffrl.data.prompts import read_text_prompts

@@ -325,7 +325,7 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
             checkpoint = _check_resume_target(cfg, run_dir)
         from diffrl.telemetry.console import console_log, run_started
 
-        with console_log(run_dir):  # RUN/console.log: everything printed from here on
+        with console_log(run_dir):  # RUN/console.log, once the run has started (run_loop)
             run_started(run_dir, checkpoint)  # the run's first line: where to look
             yield RunFolder(run_dir, run_name, checkpoint, created)
     except BaseException:
@@ -408,6 +408,9 @@ def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
     if checkpoint is not None:
         loop.resume(checkpoint)
     record_config(loop.run_dir, to_yaml(loop.cfg), loop.step)  # config.yaml, and configs/ keeps each start's
+    from diffrl.telemetry.console import begin_console_log
+
+    begin_console_log()  # what was printed so far, and from now on everything, to RUN/console.log
     link_latest(loop.run_dir)
     return loop.summary(loop.fit())
 

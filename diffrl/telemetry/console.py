@@ -174,47 +174,96 @@ CONSOLE_LOG = "console.log"
 
 
 class _Tee:
-    """A text stream that writes to `stream` and to `copy` (the run's console log)."""
+    """A text stream that writes to `stream` and to the run's console log."""
 
-    def __init__(self, stream: TextIO, copy: TextIO, lock: threading.Lock) -> None:
-        self._stream, self._copy, self._lock = stream, copy, lock
+    def __init__(self, stream: TextIO, log: ConsoleLog) -> None:
+        self._stream, self._log = stream, log
 
     def write(self, text: str) -> int:
         written = self._stream.write(text)
-        with self._lock:
-            if not self._copy.closed:
-                self._copy.write(text)
+        self._log.write(text)
         return written
 
     def flush(self) -> None:
         self._stream.flush()
-        with self._lock:
-            if not self._copy.closed:
-                self._copy.flush()
+        self._log.flush()
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the terminal's
         return getattr(self._stream, name)
 
 
+class ConsoleLog:
+    """RUN/console.log. What is printed before the run has started (`begin`) waits in memory: a
+    start that fails before it (a full disk, a bad resume) changes nothing of an existing run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._file: TextIO | None = None
+        self._closed = False
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(text)
+            elif not self._closed:
+                self._pending.append(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+
+    def begin(self) -> None:
+        """The run has started: append what was printed so far, and from now on everything."""
+        with self._lock:
+            if self._file is None and not self._closed:
+                self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+                self._file.write("".join(self._pending))
+                self._pending = []
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._pending = []
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+_active: ConsoleLog | None = None
+
+
 @contextmanager
-def console_log(run_dir: Path) -> Iterator[Path]:
+def console_log(run_dir: Path) -> Iterator[ConsoleLog]:
     """Copy everything this process prints, stdout and stderr (worker output that Ray forwards
-    included), to RUN/console.log while the block runs; a resumed run appends to it."""
-    path = Path(run_dir) / CONSOLE_LOG
-    lock = threading.Lock()
-    with open(path, "a", encoding="utf-8", buffering=1) as copy:
-        saved = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(sys.stdout, copy, lock), _Tee(sys.stderr, copy, lock)
-        try:
-            yield path
-        finally:
-            sys.stdout, sys.stderr = saved
+    included), to RUN/console.log while the block runs, from the moment the run has started
+    (`begin_console_log`: earlier lines are kept until then); a resumed run appends to it."""
+    global _active
+    log = ConsoleLog(Path(run_dir) / CONSOLE_LOG)
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    _active = log
+    try:
+        yield log
+    finally:
+        sys.stdout, sys.stderr = saved
+        _active = None
+        log.close()
+
+
+def begin_console_log() -> None:
+    """The run has started (its config is recorded): RUN/console.log begins (`ConsoleLog.begin`)."""
+    if _active is not None:
+        _active.begin()
 
 
 __all__ = [
     "CONSOLE_LOG",
     "QUIET_ENV",
     "Progress",
+    "begin_console_log",
     "configure",
     "console_log",
     "is_verbose",

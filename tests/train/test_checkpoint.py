@@ -230,6 +230,8 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_model, tmp_path, monke
             return real_replace(src, dst, *args, **kwargs)
 
         monkeypatch.setattr(checkpoint.os, "replace", crashing_replace)
+    # a process that dies mid-save cleans nothing up (one that raises removes its temporary folder)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
     with pytest.raises(Crash):
         _save(tmp_path, 2, transformer, optimizer, scheduler)
     monkeypatch.undo()
