@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from diffrl.config import load_config
 from diffrl.config.schema import Config
@@ -33,8 +32,8 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.preflight import preflight_common
 from diffrl.controller.run import job, print_report, run_loop
 from diffrl.data import PromptRecord, PromptSampler
-from diffrl.data.images import SHAPES, load_image_rows
-from diffrl.files import check_output_dir, open_regular, write_json
+from diffrl.data.images import SHAPES, load_image_rows, open_image
+from diffrl.files import check_output_dir, write_json
 from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.workers.roles import ImageShard
@@ -170,7 +169,7 @@ def check_image(record: PromptRecord, column: str, height: int, width: int) -> P
     path = image_file(record, column)
     if not path.exists():
         raise FileNotFoundError(f"{record.source}: image {path} not found")
-    with open_regular(path, f"{record.source}: image") as file, Image.open(file) as image:
+    with open_image(path, f"{record.source}: image") as image:
         if image.size != (width, height):
             raise ValueError(
                 f"{path} is {image.size[0]}x{image.size[1]} but training runs at {width}x{height} "

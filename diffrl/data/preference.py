@@ -23,11 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from diffrl.data.images import open_image
 from diffrl.data.prompts import PromptRecord
-from diffrl.files import open_regular
 
 CACHE_DIR = "preference_cache"
 CACHE_FILE = "encodings.safetensors"
@@ -64,7 +63,7 @@ def check_pairs(
                     f"{record.source}: column {key!r}: image {path} not found (relative paths are "
                     "relative to the data file)"
                 )
-            with open_regular(path, f"{record.source}: column {key!r}:") as file, Image.open(file) as image:
+            with open_image(path, f"{record.source}: column {key!r}:") as image:
                 if image.size != (width, height):
                     raise ValueError(
                         f"{record.source}: column {key!r}: {path} is {image.size[0]}x{image.size[1]} but "
