@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from masked_batches import masked_micro_batches
 from spawn_ranks import free_port, join_gloo, spawn_with_deadlines
 
 from diffrl.config.schema import (
@@ -23,14 +24,10 @@ from diffrl.config.schema import (
     LossConfig,
     ModelConfig,
     OptimConfig,
-    PipelineConfig,
-    RolloutConfig,
-    SdeConfig,
 )
 from diffrl.models import load_model
-from diffrl.rollout import TrajectorySampler
 from diffrl.train import distributed
-from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
+from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.engine import POLICY, TrainEngine
 from diffrl.train.parallel import (
     REPLICATE_MAX_WEIGHT_SHARE,
@@ -43,7 +40,6 @@ MICRO = 2
 START_DEADLINE_S = 120.0
 STEP_DEADLINE_S = 60.0
 PG_TIMEOUT_S = 30
-PROMPTS = ["a red circle", "a blue square"]
 # Rows 0-3 are rank 0's two micro-batches, rows 4-7 rank 1's: rank 0 has 4 (micro-batch, step)
 # terms, rank 1 two. True = the sample trains that window step.
 MASK = torch.tensor([[1, 0], [0, 1], [0, 1], [1, 0], [1, 0], [1, 0], [0, 1], [0, 1]], dtype=torch.bool)
@@ -90,23 +86,7 @@ def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def micro_batches(tiny_model) -> list[PolicyGradientBatch]:
-    """A rollout of the base policy, advantages and DanceGRPO's step mask, in 4 micro-batches."""
-    adapter = load_model(tiny_model("sd3"), dtype="float32")
-    rollout_cfg = RolloutConfig(
-        n=4,
-        micro_batch_size=4,
-        pipeline=PipelineConfig(
-            height=32, width=32, num_inference_steps=4, guidance_scale=4.5, max_sequence_length=8
-        ),
-        sde=SdeConfig(noise_level=0.8, window_size=2, window_range=[0, 3]),
-    )
-    rollout = TrajectorySampler(adapter, rollout_cfg, progress=False).sample(PROMPTS, seed=5, step=0)
-    rollout.extras.clear()
-    targets = TrainingTargets(
-        advantages_B=torch.linspace(-1.0, 1.0, len(rollout)), train_mask_BW=MASK, batch_size=[len(rollout)]
-    )
-    batch = PolicyGradientBatch(rollout, targets)
-    return [batch.select(slice(s, s + MICRO)).compact() for s in range(0, len(batch), MICRO)]
+    return masked_micro_batches(tiny_model("sd3"), MASK, MICRO)
 
 
 def test_replicated_ranks_take_one_process_step_and_stay_identical(
