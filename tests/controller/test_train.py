@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from diffrl.cli import main
+from diffrl.controller.preflight import BUILTIN_DATA
 from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics as diffrl_read_metrics
 
@@ -210,9 +211,17 @@ def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, 
     trainer and rollout replica (`shapes_async`), shrunk to two small steps: each completes,
     validates before and after, and writes the report."""
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    # the first prompt of each category of the balanced held-out file (the default job validates
+    # on 384 prompts, the others on 96: the report needs every category, not the precision)
+    firsts: dict[str, str] = {}
+    for line in (BUILTIN_DATA / "shapes_heldout_balanced.jsonl").read_text().splitlines():
+        firsts.setdefault(json.loads(line)["data_source"], line)
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text("\n".join(firsts.values()) + "\n")
     run_dir = train(
         preset,
         [
+            f"data.val_files=[{val_file}]",
             "trainer.total_steps=2",
             "trainer.test_freq=2",
             "trainer.save_freq=2",
