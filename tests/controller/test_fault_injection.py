@@ -28,7 +28,8 @@ ARGS = [
     "trainer.test_freq=0",
     "trainer.val_before_train=false",
 ]
-NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
+# wall-clock measurements (the pools' busy and idle shares of a separate placement's step included)
+NOT_COMPARABLE = ("timing", "throughput", "perf/", "time", "trainer/wait", "rollout/idle", "rollout/busy")
 
 ZYGOTE = textwrap.dedent(
     """
