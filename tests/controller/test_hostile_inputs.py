@@ -152,18 +152,32 @@ def test_a_model_json_that_does_not_parse_is_named_with_what_is_wrong(
 
 
 # ------------------------------------------------------------------- (5) unwritable outputs
+@contextlib.contextmanager
+def tmpfs(path, options: str, what: str):
+    """A tmpfs mounted at `path` (made here) with `options` for the block; the test is skipped
+    where mounting is not allowed. Unmounted lazily, so a process still inside cannot keep it."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount {what} here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(disk) -> None:
+    """Write to `disk` until it is full, to its last block."""
+    with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+        while True:
+            filler.write(b"x" * 4096)
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A read-only file system (a tmpfs mounted ro): root may write anywhere else, so chmod won't do."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
-    yield ro
-    subprocess.run(["umount", str(ro)], check=True)
+    with tmpfs(tmp_path / "ro", "ro,size=1m", "a read-only tmpfs") as ro:
+        yield ro
 
 
 @pytest.fixture(scope="module")
@@ -286,18 +300,9 @@ def test_sample_sizes_beyond_what_the_model_holds_exit_2_before_it_loads(
 @pytest.fixture
 def full_disk(tmp_path):
     """A tiny tmpfs filled up to its last block."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
-        while True:
-            filler.write(b"x" * 4096)
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
+    with tmpfs(tmp_path / "disk", "size=256k", "a tmpfs") as disk:
+        fill(disk)
+        yield disk
 
 
 def test_a_fresh_run_on_a_full_disk_says_so_and_leaves_no_folder(tmp_path, capsys, full_disk, no_workers):
@@ -351,21 +356,8 @@ def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_tempo
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB tmpfs (room for a tiny run), and a function that fills it to its last block."""
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-
-    def fill():
-        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
-            while True:
-                filler.write(b"x" * 4096)
-
-    yield disk, fill
-    subprocess.run(["umount", str(disk)], check=True)
+    with tmpfs(tmp_path / "small_disk", "size=16m", "a tmpfs") as disk:
+        yield disk, lambda: fill(disk)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
