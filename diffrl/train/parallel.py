@@ -26,7 +26,7 @@ averages them itself right before the optimizer step, in a few flat buckets.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from diffrl.config.schema import ActorConfig
+from diffrl.files import read_json_file
+from diffrl.models.base import MODEL_DIR_FIX
 
 STRATEGIES = ActorConfig.STRATEGIES
 
@@ -110,7 +112,7 @@ def pipeline_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
     from safetensors import safe_open
 
     root = Path(model_dir)
-    index = json.loads((root / "model_index.json").read_text())
+    index = read_json_file(root / "model_index.json", "model index", MODEL_DIR_FIX)
     elements = 0
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
@@ -118,15 +120,8 @@ def pipeline_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
         for file in sorted((root / name).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118  (safe_open is no mapping)
-                    elements += _numel(f.get_slice(key).get_shape())
+                    elements += math.prod(f.get_slice(key).get_shape())
     return elements * torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def device_memory_bytes(cpu_workers_per_node: int) -> int | None:
