@@ -12,7 +12,7 @@ encoders of the real widths). Common: 512², 10 steps, CFG 4.5, noise level 0.7,
 
 With `--gpus 1 2 4` each recipe runs once per GPU count, colocated, with the same per-GPU batch
 (prompts per step and mini-batch × N: one optimizer step per step either way), and `scaling`
-gives each count's images/s over the first count's. `actor.strategy` is the run's own choice
+gives each count's images/s over the smallest count's. `actor.strategy` is the run's own choice
 (`auto`) unless `--set actor.strategy=...` names one.
 
 The first `--warmup` steps (compilation) are excluded; the rest are averaged. Per phase: seconds per
@@ -62,6 +62,7 @@ COMMON = [
     "trainer.save_freq=0",
     "trainer.test_freq=0",
     "trainer.val_before_train=false",
+    "trainer.check_at_start=false",  # one GPU would run it, several not: wall_s would not compare
     "trainer.loggers=[jsonl]",
 ]
 RECIPES = {
@@ -200,7 +201,7 @@ def _child_args(args: argparse.Namespace) -> list[str]:
 
 
 def _scaling(runs: dict[int, dict]) -> dict:
-    """Each GPU count's run, and its images/s (all GPUs) and per-GPU efficiency over the first count's."""
+    """Each GPU count's run, and its images/s (all GPUs) and per-GPU efficiency over the smallest count's."""
     base_gpus = min(runs)
     base = runs[base_gpus]["images_per_s_per_gpu"] * base_gpus
     return {
