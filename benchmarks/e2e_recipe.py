@@ -12,7 +12,9 @@ encoders of the real widths). Common: 512², 10 steps, CFG 4.5, noise level 0.7,
 
 With `--gpus 1 2 4` each recipe runs once per GPU count, colocated, with the same per-GPU batch
 (prompts per step and mini-batch × N: one optimizer step per step either way), and `scaling`
-gives each count's images/s over the smallest count's. `actor.strategy` is the run's own choice
+gives each count's images/s over the smallest count's. `--splits 1+1 3+1` adds separate-placement
+runs (`T+R`: T trainer ranks, R rollout replicas, one step off unless `--set` says otherwise) with
+the same per-GPU batch over all T + R GPUs, so their images/s compare with `--gpus T+R`. `actor.strategy` is the run's own choice
 (`auto`) unless `--set actor.strategy=...` names one.
 
 The first `--warmup` steps (compilation) are excluded; the rest are averaged. Per phase: seconds per
@@ -25,6 +27,7 @@ a measured step's. Peak memory is the worker's `perf/max_memory_allocated_gb` ov
     python benchmarks/e2e_recipe.py --tiny --device cpu       # CPU smoke run on a tiny SD3
     python benchmarks/e2e_recipe.py --set model.compile=false # any extra override, both recipes
     python benchmarks/e2e_recipe.py --gpus 1 2 4              # scaling, same per-GPU batch
+    python benchmarks/e2e_recipe.py --recipe lean --gpus 2 --splits 1+1   # placements on 2 GPUs
 """
 
 from __future__ import annotations
@@ -111,11 +114,33 @@ def build_model(path: Path, tiny: bool, device: str) -> None:
         sys.argv = argv
 
 
-def run_recipe(name: str, gpus: int, model: Path, out: Path, args: argparse.Namespace) -> dict:
+# A separate placement's runs: one step off (what the placement is for) unless `--set` says otherwise.
+SEPARATE = ["trainer.placement=separate", "trainer.async_mode=one_step_off"]
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """`N` (N colocated GPUs) or `T+R` (T trainer ranks and R rollout replicas) as (T, R)."""
+    trainer, _, replicas = text.partition("+")
+    try:
+        layout = int(trainer), int(replicas or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or T+R (e.g. 2 or 1+1)") from None
+    if layout[0] < 1 or layout[1] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 trainer rank and 0 or more replicas")
+    return layout
+
+
+def layout_name(trainer: int, replicas: int) -> str:
+    return f"{trainer}+{replicas}" if replicas else f"{trainer}gpu"
+
+
+def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args: argparse.Namespace) -> dict:
     from omegaconf import OmegaConf
 
     from diffrl.controller.run import train
 
+    trainer, replicas = layout
+    gpus = trainer + replicas
     total = args.warmup + args.steps
     prompts, mini_batch = PER_GPU_BATCH[name]
     overrides = [
@@ -124,18 +149,20 @@ def run_recipe(name: str, gpus: int, model: Path, out: Path, args: argparse.Name
         *RECIPES[name],
         f"data.prompts_per_step={prompts * gpus}",
         f"actor.mini_batch_size={mini_batch * gpus}",
-        f"trainer.n_gpus_per_node={gpus}",
+        f"trainer.n_gpus_per_node={trainer}",
+        *([*SEPARATE, f"rollout.replicas={replicas}"] if replicas else []),
         *(TINY if args.tiny else []),
         f"trainer.total_steps={total}",
         f"trainer.output_dir={out}",
-        f"trainer.run_name={name}-{gpus}gpu",
+        f"trainer.run_name={name}-{layout_name(trainer, replicas)}",
         *args.set,
     ]
     start = time.perf_counter()
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
     strategy = OmegaConf.load(run_dir / "config.yaml").actor.strategy
-    return {**summarise_run(run_dir, args.warmup), "gpus": gpus, "strategy": strategy, "wall_s": wall}
+    summary = summarise_run(run_dir, args.warmup)
+    return {**summary, "gpus": gpus, "replicas": replicas, "strategy": strategy, "wall_s": wall}
 
 
 def main() -> None:
@@ -150,32 +177,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps")
     parser.add_argument("--out", type=Path, default=None, help="run directories (default: a temp dir)")
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every recipe")
-    parser.add_argument("--gpus", type=int, nargs="+", default=[1], help="GPU counts to run (scaling)")
+    parser.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts to run (scaling)")
+    parser.add_argument(
+        "--splits", type=parse_layout, nargs="+", default=[], help="separate placements T+R to run"
+    )
+    parser.add_argument("--layout", type=parse_layout, default=None, help=argparse.SUPPRESS)  # one child run
     args = parser.parse_args()
+    if args.layout:
+        layouts = [args.layout]
+    else:
+        gpus = args.gpus if args.gpus is not None else ([] if args.splits else [1])
+        layouts = [(g, 0) for g in gpus] + args.splits
 
     out = args.out or Path(tempfile.mkdtemp(prefix="e2e_recipe_"))
     model = args.model or (out / "tiny_sd3" if args.tiny else Path("/tmp/sd35m"))
     build_model(model, args.tiny, args.device)
     names = list(RECIPES) if args.recipe == "both" else [args.recipe]
-    if len(names) * len(args.gpus) > 1:
+    if len(names) * len(layouts) > 1:
         # Each run in its own process: compiled graphs, dynamo's caches and the CUDA allocator of
         # one run must not carry over into another's numbers.
         results = {}
         for name in names:
             runs = {}
-            for gpus in args.gpus:
+            for trainer, replicas in layouts:
+                label = layout_name(trainer, replicas)
                 cmd = [
                     sys.executable,
                     __file__,
                     *_child_args(args),
-                    *("--recipe", name, "--gpus", str(gpus), "--model", str(model), "--out", str(out)),
+                    *("--recipe", name, "--layout", f"{trainer}+{replicas}"),
+                    *("--model", str(model), "--out", str(out)),
                 ]
-                done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-                runs[gpus] = json.loads(done.stdout.strip().splitlines()[-1])[name]
-                print(f"e2e_recipe: {name} on {gpus} GPU(s): {runs[gpus]}", file=sys.stderr, flush=True)
-            results[name] = runs[args.gpus[0]] if len(runs) == 1 else _scaling(runs)
+                done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+                if done.returncode:
+                    # one failed layout (out of memory, say) must not lose the others' numbers
+                    runs[label] = {"error": f"exit {done.returncode}", "gpus": trainer + replicas}
+                else:
+                    runs[label] = json.loads(done.stdout.strip().splitlines()[-1])[name]
+                print(f"e2e_recipe: {name} on {label}: {runs[label]}", file=sys.stderr, flush=True)
+            results[name] = _scaling(runs)
     else:
-        results = {names[0]: run_recipe(names[0], args.gpus[0], model, out, args)}
+        results = {names[0]: run_recipe(names[0], layouts[0], model, out, args)}
     cuda = torch.cuda.is_available()
     print(
         json.dumps(
@@ -200,19 +242,25 @@ def _child_args(args: argparse.Namespace) -> list[str]:
     return out + (["--set", *args.set] if args.set else [])
 
 
-def _scaling(runs: dict[int, dict]) -> dict:
-    """Each GPU count's run, and its images/s (all GPUs) and per-GPU efficiency over the smallest count's."""
-    base_gpus = min(runs)
-    base = runs[base_gpus]["images_per_s_per_gpu"] * base_gpus
+def _scaling(runs: dict[str, dict]) -> dict:
+    """Each layout's run, and its images/s (all GPUs), speedup and per-GPU efficiency over the
+    first colocated layout with the fewest GPUs that finished (else the first that finished)."""
+    done = {label: r for label, r in runs.items() if "error" not in r}
+    if not done:
+        return {"runs": runs, "scaling": {}}
+    colocated = [label for label, r in done.items() if not r["replicas"]]
+    base_label = min(colocated or done, key=lambda label: done[label]["gpus"])
+    base = done[base_label]["images_per_s_per_gpu"]
     return {
-        "runs": {f"{g}gpu": r for g, r in runs.items()},
+        "runs": runs,
         "scaling": {
-            f"{g}gpu": {
-                "images_per_s": r["images_per_s_per_gpu"] * g,
-                "speedup": r["images_per_s_per_gpu"] * g / base,
-                "per_gpu_efficiency": r["images_per_s_per_gpu"] / runs[base_gpus]["images_per_s_per_gpu"],
+            label: {
+                "images_per_s": r["images_per_s_per_gpu"] * r["gpus"],
+                "speedup": r["images_per_s_per_gpu"] * r["gpus"] / (base * done[base_label]["gpus"]),
+                "per_gpu_efficiency": r["images_per_s_per_gpu"] / base,
+                "base": base_label,
             }
-            for g, r in runs.items()
+            for label, r in done.items()
         },
     }
 

@@ -210,7 +210,16 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
                 lambda: worker.log_probs(micro),
             )
             rows.append(recompute_row)
-        targets = TrainingTargets(advantages_B=advantages_B, batch_size=[len(micro)])
+        ref_means = None
+        if cfg.actor.loss.kl_coef > 0:
+            # the update's KL term needs the reference policy's SDE means, as the run's ref pass
+            # computes them (the pass itself costs what the recompute row above measured)
+            from diffrl.train.engine import REFERENCE
+
+            ref_means = worker.log_probs(micro, REFERENCE)[1]
+        targets = TrainingTargets(
+            advantages_B=advantages_B, ref_means=ref_means, batch_size=[len(micro)]
+        )
 
         def update() -> dict:  # forward and backward over every window step, then AdamW's step
             worker.forward_backward([PolicyGradientBatch(micro, targets)])

@@ -77,16 +77,22 @@ def test_quick_check_passes_on_every_cpu_preset(preset, tmp_path):
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["algorithm.trainer_type=direct_preference", "actor.loss.mode=diffusion_nft"]],
-    ids=["flow_grpo", "diffusion_nft"],
+    [
+        [],
+        ["actor.loss.kl_coef=0.04"],
+        ["algorithm.trainer_type=direct_preference", "actor.loss.mode=diffusion_nft"],
+    ],
+    ids=["flow_grpo", "flow_grpo_kl", "diffusion_nft"],
 )
 def test_full_check_measures_memory_of_each_phase(overrides):
     report = check("tiny_sd3", overrides)
     verdicts = _verdicts(report)
     assert report.exit_code == 0, report.table()
     assert verdicts["memory: sampling"] == verdicts["memory: update"] == PASS
-    # tiny_sd3 reuses the rollout's log-probs (colocated, eager): no recompute phase to measure
-    assert "memory: log-prob recompute" not in verdicts
+    # tiny_sd3 reuses the rollout's log-probs (colocated, eager): no recompute phase to measure,
+    # unless KL needs the reference pass (its update then takes the reference means, as a run's)
+    kl = "actor.loss.kl_coef=0.04" in overrides
+    assert ("memory: log-prob recompute" in verdicts) == kl
     assert verdicts["weights: replicas = trainer"] == SKIP
 
 
