@@ -217,9 +217,7 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
             from diffrl.train.engine import REFERENCE
 
             ref_means = worker.log_probs(micro, REFERENCE)[1]
-        targets = TrainingTargets(
-            advantages_B=advantages_B, ref_means=ref_means, batch_size=[len(micro)]
-        )
+        targets = TrainingTargets(advantages_B=advantages_B, ref_means=ref_means, batch_size=[len(micro)])
 
         def update() -> dict:  # forward and backward over every window step, then AdamW's step
             worker.forward_backward([PolicyGradientBatch(micro, targets)])

@@ -165,13 +165,25 @@ class TrainEngine:
         ).strategy
         # ddp: every rank holds the whole model and averages the gradients before each optimizer step
         self._replicated = self.strategy == "ddp" and in_group
+        # FSDP2 units stay gathered through a pass when the whole gathered model is small next to
+        # the device (full fine-tuning or sequence parallelism of a model that fits, not sharding
+        # for memory): fewer all-gathers (_fsdp_flags, inference_policy, log_probs)
+        self._keep_gathered = False
         if self.strategy == "fsdp2" and in_group:
-            from diffrl.train.fsdp import shard_transformer
+            from diffrl.train.fsdp import gathered_bytes, shard_transformer
+            from diffrl.train.parallel import KEEP_GATHERED_FRACTION, device_memory_bytes
 
+            memory = device_memory_bytes(torch.distributed.get_world_size())
+            self._keep_gathered = (
+                memory is not None
+                and not actor_cfg.param_offload
+                and gathered_bytes(transformer, adapter.dtype) <= KEEP_GATHERED_FRACTION * memory
+            )
             shard_transformer(
                 transformer,
                 adapter.block_class_names,
                 param_dtype=adapter.dtype,
+                reshard_after_forward=not self._keep_gathered,
                 cpu_offload=actor_cfg.param_offload,
             )
         # A sampler sharing this module computes its SDE window steps on slices of this size, as
@@ -225,12 +237,22 @@ class TrainEngine:
             return
         raise ValueError(f"unknown policy {name!r}; choose {POLICY}, {OLD} or {REFERENCE}")
 
-    def inference_policy(self, name: str) -> AbstractContextManager[None]:
+    @contextmanager
+    def inference_policy(self, name: str) -> Iterator[None]:
         """`use_policy(name)` for forward passes without gradients: with
-        model.lora.merge_inference the trained or old adapter runs merged into the weights."""
+        model.lora.merge_inference the trained or old adapter runs merged into the weights. A
+        sharded model that stays gathered through the pass is resharded at its end."""
         if self.lora and self.model_cfg.lora.merge_inference and name in (POLICY, OLD):
-            return merged_adapter(self.adapter, name)
-        return self.use_policy(name)
+            policy = merged_adapter(self.adapter, name)
+        else:
+            policy = self.use_policy(name)
+        with self._resharded_after(), policy:
+            yield
+
+    def _resharded_after(self) -> AbstractContextManager[None]:
+        from diffrl.train.fsdp import resharded_after
+
+        return resharded_after(self.transformer, enabled=self._keep_gathered)
 
     def _adapter_pairs(self, src: str, dst: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         params = dict(self.transformer.named_parameters())
@@ -413,7 +435,7 @@ class TrainEngine:
     @torch.no_grad()
     def log_probs(self, rollout: Rollout, policy: str = POLICY, micro_batch_size: int | None = None):
         """(log_probs_BW, means [B, W, ...]) of the rollout's window steps under `policy`, no grad."""
-        with self.use_policy(policy):
+        with self._resharded_after(), self.use_policy(policy):
             return evaluate_window(self.adapter, rollout, micro_batch_size or self.cfg.micro_batch_size)
 
     # ------------------------------------------------------------------------------ state
@@ -547,9 +569,12 @@ class TrainEngine:
         return hasattr(self.transformer, "set_requires_gradient_sync")
 
     def _sync_gradients(self, last: bool) -> None:
-        """Under FSDP2 reduce gradients only after the mini-batch's last backward."""
+        """Under FSDP2 reduce gradients only after the mini-batch's last backward; a model kept
+        gathered is also resharded only then (one all-gather per unit per optimizer step)."""
         if self._sharded:
             self.transformer.set_requires_gradient_sync(last)
+            if self._keep_gathered:
+                self.transformer.set_reshard_after_backward(last)
 
     @staticmethod
     def _reduce(metrics: dict[str, float]) -> dict[str, float]:

@@ -58,6 +58,9 @@ module without that mechanism the blocks are checkpointed with torch's composabl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -180,6 +183,34 @@ def shard_transformer(
     fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     _finish_lazy_init(transformer)
     return transformer
+
+
+def gathered_bytes(module: nn.Module, dtype: torch.dtype | None) -> int:
+    """Bytes the module's parameters take gathered in `dtype` (None: their own dtypes): what one
+    rank holds when every unit keeps its parameters gathered."""
+    return sum(p.numel() * (dtype or p.dtype).itemsize for p in module.parameters())
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPModule]:
+    """The module's FSDP2 units (its blocks, then the root), or [] for a module not sharded."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def resharded_after(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Reshard every FSDP2 unit of `module` when the block ends.
+
+    For a model sharded with `reshard_after_forward=False`: a no-grad pass (sampling's denoising
+    loop, a log-prob pass) then all-gathers each unit once, at its first forward, and keeps it for
+    the pass's other forwards instead of gathering it on every one; the gathered copies are freed
+    at the end, so no copy outlives a change of the sharded weights (an optimizer step, a loaded
+    checkpoint, a weight sync). A no-op for a module that is not sharded or when not `enabled`."""
+    try:
+        yield
+    finally:
+        if enabled:
+            for unit in fsdp_units(module):
+                unit.reshard()
 
 
 def enable_activation_checkpointing(transformer: nn.Module, block_class_names: tuple[str, ...]) -> int:

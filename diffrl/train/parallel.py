@@ -124,6 +124,13 @@ def pipeline_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
+#: Under FSDP2, a transformer whose gathered weights take at most this share of one device's
+#: memory keeps each unit gathered from its first forward to the end of a pass (sampling, a
+#: log-prob pass, an optimizer step's backwards) instead of all-gathering it on every forward and
+#: backward. Sharding for memory (weights past REPLICATE_MAX_WEIGHT_SHARE) never does.
+KEEP_GATHERED_FRACTION = 0.2
+
+
 def device_memory_bytes(cpu_workers_per_node: int) -> int | None:
     """One device's memory as this (driver) process sees it: the first GPU's, or without CUDA this
     host's memory split over its CPU workers. None when the host does not say."""

@@ -8,6 +8,11 @@ parameters for its third forward, and both would wait for each other. The refere
 mini-batch (both ranks' micro-batches) trained in this process on one device without FSDP: FSDP
 averages the two ranks' gradients, which equals that gradient, so gradients and metrics must agree
 within float32 round-off.
+
+It runs twice: with FSDP2's per-forward all-gathers, and with the units kept gathered through a
+pass (what the engine does for a model small next to the device: `KEEP_GATHERED_FRACTION`), where
+the gradient is reduce-scattered and the units resharded only after the last backward, and a
+log-prob pass afterwards must still compute the one-process values.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from diffrl.config.schema import (
     OptimConfig,
 )
 from diffrl.models import load_model
-from diffrl.train import distributed
+from diffrl.train import distributed, parallel
 from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.engine import POLICY, TrainEngine
 
@@ -92,13 +97,22 @@ def step(engine: TrainEngine, micro_batches: list[PolicyGradientBatch]):
     return metrics, grads, sizes
 
 
-def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str) -> None:
+def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str, keep_gathered: bool) -> None:
     join_gloo(rank, WORLD, port, out_dir, PG_TIMEOUT_S)
     try:
+        parallel.KEEP_GATHERED_FRACTION = 1.0 if keep_gathered else 0.0
         engine = engine_for(model_dir, "fsdp2")
         metrics, grads, sizes = step(engine, shards[rank])
+        log_probs = engine.log_probs(shards[rank][0].rollout)[0]
         torch.save(
-            {"metrics": metrics, "grads": grads, "sizes": sizes}, os.path.join(out_dir, f"rank{rank}.pt")
+            {
+                "metrics": metrics,
+                "grads": grads,
+                "sizes": sizes,
+                "log_probs": log_probs,
+                "kept_gathered": engine._keep_gathered,
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:
         distributed.shutdown_distributed()
@@ -109,8 +123,9 @@ def micro_batches(tiny_model) -> list[PolicyGradientBatch]:
     return masked_micro_batches(tiny_model("sd3"), MASK, MICRO)
 
 
+@pytest.mark.parametrize("keep_gathered", [False, True], ids=["reshard", "kept_gathered"])
 def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
-    tiny_model, micro_batches, tmp_path, monkeypatch
+    tiny_model, micro_batches, tmp_path, monkeypatch, keep_gathered
 ):
     model_dir = str(tiny_model("sd3"))
     half = len(micro_batches) // WORLD
@@ -118,7 +133,7 @@ def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks' FSDP mesh is the CPU, as in CI
     spawn_with_deadlines(
         _worker,
-        (free_port(), model_dir, shards, str(tmp_path)),
+        (free_port(), model_dir, shards, str(tmp_path), keep_gathered),
         WORLD,
         tmp_path,
         start_s=START_DEADLINE_S,
@@ -127,7 +142,12 @@ def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
-    expected_metrics, expected_grads, single_sizes = step(engine_for(model_dir, "none"), micro_batches)
+    single = engine_for(model_dir, "none")
+    expected_metrics, expected_grads, single_sizes = step(single, micro_batches)
+    assert [r["kept_gathered"] for r in ranks] == [keep_gathered] * WORLD
+    for result, shard in zip(ranks, shards, strict=True):
+        expected = single.log_probs(shard[0].rollout)[0]
+        torch.testing.assert_close(result["log_probs"], expected, rtol=1e-5, atol=1e-6)
     assert len(single_sizes) == sum(REAL_TERMS)  # one process pads nothing
 
     # Both ranks ran as many forwards; rank 1's extra ones are single-sample padding.
