@@ -30,8 +30,8 @@ the replicas (other than for the batch it trains on):
   checkpoint's weights, as the uninterrupted run did (the `c` above). The cost: the K steps after
   each checkpoint start with a shallower pipeline.
 - Validation (TrainingLoop.validate) lets every in-flight batch finish sampling with its own
-  version first (`settle`), then gives the replicas the step's weights; the batches still to be
-  queued need no older version, so the schedule is unchanged.
+  version first, then gives the replicas the step's weights (`sync_for_validation`); the batches
+  still to be queued need no older version, so the schedule is unchanged.
 """
 
 from __future__ import annotations
@@ -110,12 +110,17 @@ class BoundedPipeline:
         metrics["async/in_flight"] = float(len(self.batches))
         return batch.records, rollout, metrics, wait_s
 
-    def settle(self) -> None:
-        """Wait until every in-flight batch is sampled and every queued weight delivery is done
-        (the batches stay in the pipeline, sampled with their own versions)."""
+    def sync_for_validation(self, step: int) -> dict[str, float]:
+        """Give the replicas the weights the trainer holds after `step`, for validation: every
+        in-flight batch finishes sampling with its own version first (the batches stay in the
+        pipeline), and so does every queued delivery. The batches queued after this need no
+        older version than `step`, so the schedule does not change."""
         for batch in self.batches:
             batch.pending.result()
         self.placement.drain()
+        metrics = self.placement.sync_weights(step)
+        self.version = step
+        return metrics
 
     def _last(self, step: int) -> int:
         """The last batch to have queued while step `step` trains: K ahead, or the checkpoint's."""

@@ -346,10 +346,9 @@ class TrainingLoop:
         if self.next_batch is not None:
             self.next_batch[1].result()
         if self.pipeline is not None:
-            self.pipeline.settle()
-        self.placement.sync_weights(self.step)
-        if self.pipeline is not None:
-            self.pipeline.version = self.step
+            self.pipeline.sync_for_validation(self.step)
+        else:
+            self.placement.sync_weights(self.step)
         metrics = run_validation(
             self.cfg,
             self.placement.samplers,
