@@ -85,7 +85,9 @@ class BoundedPipeline:
         self.next_step = 1  # the step of the next batch to queue
         self.version: int | None = None  # what the replicas hold once everything queued is through
 
-    def take(self, step: int, sample: Sample) -> tuple[list[PromptRecord], StagedRollout, dict[str, float], float]:
+    def take(
+        self, step: int, sample: Sample
+    ) -> tuple[list[PromptRecord], StagedRollout, dict[str, float], float]:
         """Step `step`'s prompts, their rollout, the sampling metrics and the seconds the trainer
         waited for the rollout; publishes the weights the step starts from and queues the batches
         up to min(step + K, the next checkpoint step)."""

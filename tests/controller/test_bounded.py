@@ -22,13 +22,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from in_process_pools import in_process_pools
 
 from diffrl.controller.bounded import BoundedPipeline
 from diffrl.controller.policy_gradient import PolicyGradientTrainer
 from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics as diffrl_read_metrics
 from diffrl.workers.roles import ActorWorker, RolloutWorker
-from in_process_pools import in_process_pools
 
 HERE = Path(__file__).parent
 
@@ -126,7 +126,9 @@ class FakePending:
         return SimpleNamespace(summary=SimpleNamespace(extras={"weight_version_B": versions}))
 
 
-def run_schedule(k: int, total: int, save_freq: int, test_freq: int, seed: int, kill_after: int | None = None):
+def run_schedule(
+    k: int, total: int, save_freq: int, test_freq: int, seed: int, kill_after: int | None = None
+):
     """Drive the pipeline through `total` steps; with `kill_after`, lose everything after that
     step and start again from the last checkpoint, as a resumed run does. Returns per step the
     prompts trained on, the version sampled with and the batches in flight."""
@@ -164,7 +166,9 @@ def run_schedule(k: int, total: int, save_freq: int, test_freq: int, seed: int, 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize(("save_freq", "test_freq"), [(0, 0), (4, 0), (3, 2), (5, 3)])
-def test_the_schedule_keeps_every_batch_within_k_versions_whatever_the_replicas_timing(k, save_freq, test_freq):
+def test_the_schedule_keeps_every_batch_within_k_versions_whatever_the_replicas_timing(
+    k, save_freq, test_freq
+):
     total = 9
     checkpoints = checkpoint_steps(total, save_freq)
     runs = [run_schedule(k, total, save_freq, test_freq, seed) for seed in range(4)]
@@ -202,6 +206,8 @@ def test_each_batch_is_sampled_with_the_weights_of_its_scheduled_version(tmp_pat
 
     def recording_sample(self, shard, **kwargs):
         sampled.append((kwargs["step"], kwargs["version"], self.weight_digest()))
+        # a slow replica: the deliveries of version k - 1 happen after the trainer trained step k
+        time.sleep(0.2)
         return sample(self, shard, **kwargs)
 
     monkeypatch.setattr(PolicyGradientTrainer, "train_step", recording_train_step)
@@ -237,7 +243,7 @@ def test_each_batch_is_sampled_with_the_weights_of_its_scheduled_version(tmp_pat
         # are the same numbers on the same weights, and differ from stale ones
         assert (gap == 0) == (metrics[step]["async/staleness"] == 0), (step, gap)
         assert math.isfinite(metrics[step]["actor/loss"])
-    assert all(f"val/rewards/mean" in metrics[step] for step in (3, 6, 7))
+    assert all("val/rewards/mean" in metrics[step] for step in (3, 6, 7))
 
 
 def test_bounded_runs_log_the_same_metrics_whichever_side_is_slower(tmp_path, monkeypatch):
@@ -277,9 +283,13 @@ def test_bounded_with_a_staleness_of_one_trains_as_one_step_off(tmp_path):
     args = ["trainer.total_steps=4", "trainer.save_freq=0", "trainer.test_freq=2", "actor.loss.kl_coef=0.01"]
     args += [*BOUNDED[:-2], "rollout.replicas=1", f"trainer.output_dir={tmp_path}"]
     bounded = read_metrics(
-        train("tiny_sd3", [*args, "trainer.async_mode=bounded", "trainer.max_staleness=1", "trainer.run_name=b"])
+        train(
+            "tiny_sd3", [*args, "trainer.async_mode=bounded", "trainer.max_staleness=1", "trainer.run_name=b"]
+        )
     )
-    one_step_off = read_metrics(train("tiny_sd3", [*args, "trainer.async_mode=one_step_off", "trainer.run_name=o"]))
+    one_step_off = read_metrics(
+        train("tiny_sd3", [*args, "trainer.async_mode=one_step_off", "trainer.run_name=o"])
+    )
     assert sorted(bounded) == sorted(one_step_off) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         # one_step_off syncs before its last step although nothing samples after it; bounded does not
@@ -395,7 +405,12 @@ def test_kill_9_with_batches_in_flight_then_resume_matches_an_uninterrupted_run(
     logs exactly what the uninterrupted run logged."""
     start = time.monotonic()
     train_args = ["train", "tiny_sd3", *BOUNDED, "trainer.max_staleness=2", "trainer.total_steps=6"]
-    train_args += ["trainer.save_freq=3", "trainer.test_freq=0", "trainer.resume=auto", f"trainer.output_dir={tmp_path}"]
+    train_args += [
+        "trainer.save_freq=3",
+        "trainer.test_freq=0",
+        "trainer.resume=auto",
+        f"trainer.output_dir={tmp_path}",
+    ]
     assert zygote([*train_args, "trainer.run_name=full"]) == 0, zygote.log.read_text()[-3000:]
     killed = [*train_args, "trainer.run_name=killed"]
     assert zygote(killed, kill=5) == -9  # step 5 of the first run
@@ -408,5 +423,7 @@ def test_kill_9_with_batches_in_flight_then_resume_matches_an_uninterrupted_run(
     assert [got[step]["async/staleness"] for step in range(1, 7)] == [0, 1, 2, 0, 1, 2]
     for step in range(1, 7):
         # weight_sync/* records the transfer: the resumed run's first sync (every tensor) is at the resume
-        assert comparable(got[step], also=("weight_sync/",)) == comparable(expected[step], also=("weight_sync/",)), step
+        assert comparable(got[step], also=("weight_sync/",)) == comparable(
+            expected[step], also=("weight_sync/",)
+        ), step
     print(f"\nkill -9 and resume, bounded: {time.monotonic() - start:.0f} s")
