@@ -27,8 +27,9 @@ the replicas (other than for the batch it trains on):
 - A step that ends with a checkpoint (trainer.save_freq, the last step) has no batch after it in
   flight: the pipeline stops at the next checkpoint step and drains there, as one_step_off does,
   so a checkpoint holds no in-flight work and a resumed run samples the batches after it with the
-  checkpoint's weights, as the uninterrupted run did (the `c` above). The cost: the K steps after
-  each checkpoint start with a shallower pipeline.
+  checkpoint's weights, as the uninterrupted run did (the `c` above). The cost: the step after
+  a checkpoint waits for its own batch to be sampled (nothing was sampled ahead of it), and the
+  K steps before a checkpoint have fewer batches queued ahead.
 - Validation (TrainingLoop.validate) lets every in-flight batch finish sampling with its own
   version first, then gives the replicas the step's weights (`sync_for_validation`); the batches
   still to be queued need no older version, so the schedule is unchanged.
