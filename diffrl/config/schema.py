@@ -578,8 +578,11 @@ class TrainerConfig:
     # replicas (rollout.replicas) in their own processes, weights streamed after each step
     placement: str = "colocated"
     # sync: sample with the newest weights; one_step_off (separate placement): sample batch k+1
-    # while the trainer updates on batch k, one version behind (docs/async.md)
+    # while the trainer updates on batch k, one version behind; bounded (separate placement): the
+    # replicas keep up to max_staleness batches in flight ahead of the trainer (docs/async.md)
     async_mode: str = "sync"
+    # bounded: the most weight versions a trained batch may lag the weights the step starts from
+    max_staleness: int = 2
     gpus_per_worker: float = (
         1.0  # GPU share of each trainer rank (below 1 with separate placement on one GPU)
     )
@@ -591,7 +594,8 @@ class TrainerConfig:
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
     PLACEMENTS = ("colocated", "separate")
-    ASYNC_MODES = ("sync", "one_step_off")
+    ASYNC_MODES = ("sync", "one_step_off", "bounded")
+    DEFAULT_MAX_STALENESS = 2
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads a bare `off` as false (and `on` as true); the key is a string.
@@ -619,6 +623,20 @@ class TrainerConfig:
             f"{at}.async_mode",
             self.async_mode,
             "needs trainer.placement=separate: colocated workers cannot sample while they train",
+        )
+        require(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 1,
+            f"{at}.max_staleness",
+            self.max_staleness,
+            "must be an integer >= 1 (the weight versions a trained batch may lag; 1 is one step off): "
+            "set trainer.max_staleness=1 or more, or trainer.async_mode=sync for on-policy batches",
+        )
+        require(
+            self.max_staleness == self.DEFAULT_MAX_STALENESS or self.async_mode == "bounded",
+            f"{at}.max_staleness",
+            self.max_staleness,
+            f"only applies to trainer.async_mode=bounded (this run's is {self.async_mode}; one_step_off "
+            f"is a staleness of 1): set trainer.async_mode=bounded, or leave it at {self.DEFAULT_MAX_STALENESS}",
         )
         require(self.gpus_per_worker > 0, f"{at}.gpus_per_worker", self.gpus_per_worker, "must be > 0")
         require(
@@ -735,6 +753,15 @@ class Config:
                 "rollout.log_prob_passes=trainer",
             )
             require(
+                self.trainer.async_mode != "bounded" or self.reuses_rollout_log_probs,
+                "rollout.log_prob_passes",
+                passes,
+                "cannot run the recomputed old log-probs on the replicas with trainer.async_mode=bounded: "
+                "they need the weights the update starts from, which the replicas receive only after "
+                "sampling the batches already in flight. Set rollout.log_prob_passes=auto (the reference "
+                "pass still runs on the replicas) or trainer",
+            )
+            require(
                 self.actor.loss.kl_coef == 0 or self.model.lora.rank > 0,
                 "rollout.log_prob_passes",
                 passes,
@@ -827,9 +854,10 @@ class Config:
         needs a second log-prob, so it recomputes then as before.
 
         Separate placement recomputes: a replica runs its own copy of the module (no FSDP
-        mixed-precision casts, no training graph when compiled), and in one_step_off mode it samples
-        one weight version behind the trainer, so the recomputed log-probs are the proximal policy
-        and the rollout's are the behaviour policy (docs/async.md).
+        mixed-precision casts, no training graph when compiled), and in one_step_off (bounded) mode it
+        samples one (up to trainer.max_staleness) weight version behind the trainer, so the
+        recomputed log-probs are the proximal policy and the rollout's are the behaviour policy
+        (docs/async.md).
         """
         algo, rc = self.algorithm, self.algorithm.rollout_correction
         if algo.old_log_probs != "auto":
@@ -862,7 +890,9 @@ class Config:
         rank, or ddp): FSDP2's mixed precision casts the fp32 LoRA weights to the compute dtype,
         the replica does not. The reference pass (LoRA: the adapters disabled, the base weights in
         their own dtype on both sides) moves whenever LoRA is on; full fine-tuning keeps its frozen
-        reference copy on the trainer only."""
+        reference copy on the trainer only. With trainer.async_mode=bounded the old log-probs stay
+        on the trainer: the replicas receive the weights the update starts from only after sampling
+        the batches already in flight, so a pass there would stall the update."""
         choice = self.rollout.log_prob_passes
         if (
             choice == "trainer"
@@ -874,7 +904,8 @@ class Config:
             return ()
         passes = []
         exact = self.world_size == 1 or self.actor.strategy == "ddp"
-        if not self.reuses_rollout_log_probs and (choice == "rollout" or exact):
+        bounded = self.trainer.async_mode == "bounded"
+        if not self.reuses_rollout_log_probs and not bounded and (choice == "rollout" or exact):
             passes.append("default")
         if self.actor.loss.kl_coef > 0 and self.model.lora.rank > 0:
             passes.append("reference")

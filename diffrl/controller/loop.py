@@ -19,7 +19,9 @@ starts sampling the next step's prompts before returning, so the replicas genera
 the trainer updates on batch k; the weights they sample with are those the trainer started step k
 from (version k-1, one behind the update that follows). A step that ends with a checkpoint starts
 no next batch (the pipeline drains), so a checkpoint holds no in-flight work: a resumed run samples
-that batch exactly as the uninterrupted run did, with the checkpoint's weights.
+that batch exactly as the uninterrupted run did, with the checkpoint's weights. In
+`trainer.async_mode=bounded` a `BoundedPipeline` (diffrl.controller.bounded) keeps up to
+`trainer.max_staleness` batches in flight on the same terms.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from diffrl.config.schema import Config
+from diffrl.controller.bounded import BoundedPipeline
 from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
 from diffrl.controller.pool_sizing import SizingAdvisor, pool_metrics
 from diffrl.controller.validation import run_validation
@@ -89,6 +92,17 @@ class TrainingLoop:
         # one_step_off: the next step's prompts and their rollout, sampling while this step trains
         self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
         self.one_step_off = cfg.trainer.async_mode == "one_step_off"
+        # bounded: up to trainer.max_staleness batches sampling ahead of the trainer
+        self.pipeline = (
+            BoundedPipeline(
+                self.placement,
+                cfg.trainer.max_staleness,
+                draw=lambda: [record for _, record in self.sampler.next_batch()],
+                horizon=self._next_checkpoint,
+            )
+            if cfg.trainer.async_mode == "bounded"
+            else None
+        )
         self.resume_sync_metrics: dict[str, float] = {}
         # the passes without gradient the replicas run (policy gradient sets cfg.rollout_passes)
         self.rollout_passes: tuple[str, ...] = ()
@@ -130,6 +144,16 @@ class TrainingLoop:
         sampling metrics (weight versions, staleness, weight-sync cost); see the module docstring
         for one_step_off."""
         metrics, self.resume_sync_metrics = self.resume_sync_metrics, {}
+        if self.pipeline is not None:
+            # sampled up to max_staleness versions behind: the reference pass (fixed weights) runs
+            # with the sample, the old log-probs on the trainer (Config.rollout_passes)
+            ahead = tuple(name for name in self.rollout_passes if name != POLICY)
+            records, rollout, more, self.wait_s = self.pipeline.take(
+                self.step,
+                lambda upcoming, step, version: self._sample(upcoming, step, policy, ahead, version=version),
+            )
+            metrics.update(more)
+            return records, rollout, {**metrics, **self._version_metrics(rollout)}
         if self.next_batch is None:
             records = [record for _, record in self.sampler.next_batch()]
             metrics.update(self.placement.sync_weights(self.step - 1))
@@ -154,10 +178,19 @@ class TrainingLoop:
             # (fixed weights) runs with the sample, the old log-probs after the next sync
             ahead = tuple(name for name in self.rollout_passes if name != POLICY)
             self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy, ahead))
+        return records, rollout, {**metrics, **self._version_metrics(rollout)}
+
+    def _version_metrics(self, rollout: StagedRollout) -> dict[str, float]:
+        """The weight versions the step's trajectories were sampled with, against the version the
+        step starts from (step - 1): the oldest version and, per trajectory, the staleness."""
         versions = rollout.summary.extras.pop("weight_version_B")
-        metrics["rollout/weight_version"] = float(versions.min())
-        metrics["rollout/staleness"] = float(self.step - 1 - versions.min())
-        return records, rollout, metrics
+        staleness = (self.step - 1 - versions).double()
+        return {
+            "rollout/weight_version": float(versions.min()),
+            "rollout/staleness": float(staleness.max()),
+            "async/staleness": float(staleness.mean()),
+            "async/staleness_max": float(staleness.max()),
+        }
 
     def pool_metrics(self, rollout_busy_s: float, step_s: float) -> dict[str, float]:
         """Separate placement: each pool's busy and idle time this step (diffrl.controller.pool_sizing);
@@ -176,7 +209,13 @@ class TrainingLoop:
         return metrics
 
     def _sample(
-        self, records: list[PromptRecord], step: int, policy: str, passes: tuple[str, ...] = ()
+        self,
+        records: list[PromptRecord],
+        step: int,
+        policy: str,
+        passes: tuple[str, ...] = (),
+        *,
+        version: int | None = None,
     ) -> PendingRollout:
         uids = [f"{step}:{i}" for i in range(len(records))]
         return self.placement.sample(
@@ -187,11 +226,17 @@ class TrainingLoop:
             policy=policy,
             keep=self.keep_rollouts,
             passes=passes,
+            version=version,
         )
 
     def _ends_with_checkpoint(self, step: int) -> bool:
         save_freq = self.cfg.trainer.save_freq
         return step == self.cfg.trainer.total_steps or bool(save_freq and step % save_freq == 0)
+
+    def _next_checkpoint(self, step: int) -> int:
+        """The first step >= `step` that ends with a checkpoint (`_ends_with_checkpoint`)."""
+        total, save_freq = self.cfg.trainer.total_steps, self.cfg.trainer.save_freq
+        return min(total, -(-step // save_freq) * save_freq) if save_freq else total
 
     #: Metrics whose largest value over the run goes into summary.json (as peak_<name>_gb).
     PEAKS: ClassVar[dict[str, str]] = {
@@ -295,11 +340,15 @@ class TrainingLoop:
     def validate(self) -> dict[str, float]:
         """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid.
 
-        The samplers validate the trainer's current weights: a batch still sampling (one_step_off)
-        finishes first, with the weights it started with, then the samplers receive this step's."""
+        The samplers validate the trainer's current weights: a batch still sampling (one_step_off,
+        bounded: every in-flight batch, and the weight deliveries queued between them) finishes
+        first, with the weights it started with, then the samplers receive this step's."""
         if self.next_batch is not None:
             self.next_batch[1].result()
-        self.placement.sync_weights(self.step)
+        if self.pipeline is not None:
+            self.pipeline.sync_for_validation(self.step)
+        else:
+            self.placement.sync_weights(self.step)
         metrics = run_validation(
             self.cfg,
             self.placement.samplers,

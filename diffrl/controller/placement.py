@@ -200,13 +200,16 @@ class Placement(ABC):
         policy: str = POLICY,
         keep: bool = False,
         passes: Sequence[str] = (),
+        version: int | None = None,
     ) -> PendingRollout:
         """Start sampling `rollout.n` trajectories per prompt; each micro-batch is scored as it decodes.
         `keep`: colocated, each worker keeps the part it sampled and the result's parts are `Kept`
         markers, for the loop to stage each on its own worker (diffrl.workers.staging); with
         separate placement the replicas hand their parts over whatever `keep` says. `passes`
         (separate placement): the policies whose log-probs and means the replicas compute on each
-        fresh part with the weights that sampled it (`StagedRollout.pass_result`)."""
+        fresh part with the weights that sampled it (`StagedRollout.pass_result`). `version`
+        (separate placement, bounded staleness): the weight version the replicas must hold when
+        they sample it, which `publish_weights` calls queued before it provide."""
 
     def evaluate_later(self, staged: StagedRollout, policies: Sequence[str], version: int) -> None:
         """Start `policies`' passes on `staged` with the weights the samplers hold now (`version`),
@@ -216,6 +219,14 @@ class Placement(ABC):
     @abstractmethod
     def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
         """Make the samplers hold the trainer's current weights, as `version`; returns metrics."""
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        """Bounded staleness: copy the trainer's current weights as `version` and queue their
+        delivery to the samplers after the sampling queued so far. Only a rollout pool has it."""
+        raise NotImplementedError(f"{type(self).__name__} placement has no rollout pool to publish to")
+
+    def drain(self) -> None:  # noqa: B027 (only Separate queues work of its own)
+        """Wait until the sampling and the weight deliveries queued so far are done."""
 
     def shutdown(self) -> None:  # noqa: B027 (only Separate starts something of its own)
         """Stop what the placement started beyond the groups (which the worker session owns)."""
@@ -238,6 +249,7 @@ class Colocated(Placement):
         policy: str = POLICY,
         keep: bool = False,
         passes: Sequence[str] = (),
+        version: int | None = None,
     ) -> PendingRollout:
         world, n = self.trainer.size, self.cfg.rollout.n
         per_worker = len(records) // world
@@ -284,6 +296,9 @@ class Separate(Placement):
             max_workers=1, thread_name_prefix="diffrl-requests"
         )
         self._cancel = threading.Event()
+        # bounded staleness: weight deliveries queued on the pump between batches (`publish_weights`)
+        self._deliveries: list[concurrent.futures.Future] = []
+        self._delivery_error: BaseException | None = None
         # One group: trainer rank 0 (the source, rank 0) and the replicas (ranks 1..R).
         host, port = trainer.call_async("weight_sync_address")[0].result(self.timeout_s)
         world = 1 + replicas.size
@@ -320,10 +335,13 @@ class Separate(Placement):
         policy: str = POLICY,
         keep: bool = False,
         passes: Sequence[str] = (),
+        version: int | None = None,
     ) -> PendingRollout:
         kwargs = {"seed": self.cfg.rollout_seed, "step": step, "rewards": rewards, "policy": policy}
         if passes:
             kwargs["passes"] = tuple(passes)
+        if version is not None:
+            kwargs["version"] = version
         future = self._pump.submit(self._stream, self.requests(records, uids), kwargs)
         return PendingRollout(future, self.timeout_s)
 
@@ -332,6 +350,11 @@ class Separate(Placement):
     ) -> list[tuple[RolloutSummary, Any]]:
         """Keep every replica busy with up to `requests_in_flight` requests until all are answered;
         a replica's failure ends the stream at once (the rest would wait on it)."""
+        if self._delivery_error is not None:
+            raise RuntimeError(
+                f"sampling stopped: a weight delivery to the replicas failed before this batch: "
+                f"{self._delivery_error}"
+            ) from self._delivery_error
         limit = self.cfg.rollout.requests_in_flight
         results: list[tuple[RolloutSummary, Any] | None] = [None] * len(requests)
         queue = deque(enumerate(requests))
@@ -400,6 +423,70 @@ class Separate(Placement):
             "weight_sync/tensors": float(sent.get("weight_sync/tensors", 0.0)),
             "weight_sync/full": float(full),
         }
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        """Bounded staleness: the trainer ranks copy what a sync moves (the LoRA adapters, or every
+        tensor of full fine-tuning; rank 0 keeps the copy in host memory) and a delivery of that copy
+        is queued on the request pump, behind the batches already queued: the replicas sample those
+        with the weights they were scheduled for, then receive `version`, while the trainer goes on
+        training. What a batch is sampled with therefore depends on the order of the queue, never on
+        timing. Returns what the copy holds (bytes, tensors) and the seconds the trainer spent."""
+        if not self._synced_once:  # the loop syncs (every tensor) before it starts a pipeline
+            raise RuntimeError("publish_weights before the first sync_weights")
+        self._raise_failed_delivery()
+        start = time.perf_counter()
+        specs = gather(self.trainer.call_async("snapshot_weights", version, False), timeout=self.timeout_s)[0]
+        self._deliveries.append(self._pump.submit(self._deliver, version, specs))
+        return {
+            "weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/bytes": float(sum(spec.nbytes for spec in specs)),
+            "weight_sync/tensors": float(len(specs)),
+            "weight_sync/full": 0.0,
+        }
+
+    def _deliver(self, version: int, specs: list[Any]) -> None:
+        """On the pump, between two batches' requests (the replicas are idle): trainer rank 0
+        streams its copy of `version` (after the call it is running, if any), the replicas receive
+        it. A failure stops the batches queued after it (`_stream`)."""
+        try:
+            running = [self.trainer.submit(0, "send_snapshot", version, self.bucket_bytes)]
+            running += [
+                self.replicas.submit(rank, "receive_weights", specs, version, self.bucket_bytes)
+                for rank in range(self.replicas.size)
+            ]
+            deadline = time.monotonic() + self.cfg.rollout.weight_sync.timeout_s + 30
+            while running:  # short waits, so a run that stops ends this thread too
+                if self._cancel.is_set():
+                    raise RuntimeError("weight delivery cancelled: the run is stopping")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    wait_any(running, timeout=0)  # the TimeoutError names the silent workers
+                for future in wait_done(running, timeout=max(0.0, min(remaining, _POLL_S))):
+                    future.result()  # a failed send or receive raises its WorkerError here
+                    running.remove(future)
+        except BaseException as err:
+            self._delivery_error = err
+            raise
+        self.weight_version = version
+
+    def _raise_failed_delivery(self) -> None:
+        """Re-raise the first failed weight delivery here; forget the ones that are done."""
+        for future in self._deliveries:
+            if future.done():
+                future.result()
+        self._deliveries = [future for future in self._deliveries if not future.done()]
+
+    def drain(self) -> None:
+        """Wait (at most trainer.worker_timeout_s) for everything queued on the request pump: the
+        batches being sampled and the weight deliveries between them."""
+        try:
+            self._pump.submit(lambda: None).result(self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the queued sampling and weight deliveries did not finish within "
+                f"trainer.worker_timeout_s={self.timeout_s:g} s"
+            ) from None
+        self._raise_failed_delivery()
 
     def shutdown(self) -> None:
         self._cancel.set()

@@ -95,6 +95,8 @@ class ActorWorker:
         self._sequence_parallel = for_training(adapter, cfg)
         self._text_len = 0
         self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
+        # rank 0, bounded staleness: weight versions copied for the replicas, not yet sent to them
+        self._snapshots: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._staged: StagedRows | None = None  # this rank's rows of the step's rollout (`stage`)
         self._kept = LocalStore()  # what this worker sampled or computed for its own rows
         # Supervised training only (`flow_matching_backward`): filled on first use.
@@ -352,6 +354,34 @@ class ActorWorker:
         if self._weight_sync is None:
             raise RuntimeError("send_weights before join_weight_sync: the controller must join first")
         return self._weight_sync.send(named, bucket_bytes=bucket_bytes).metrics()
+
+    @torch.no_grad()
+    def snapshot_weights(self, version: int, full: bool) -> list[Any]:
+        """Copy what `send_weights(full)` would stream, as weight version `version`, for a later
+        `send_snapshot` (bounded staleness: the replicas take it once they have sampled the batches
+        queued before it, while this worker trains on). Collective under FSDP2 like `send_weights`;
+        rank 0 keeps the copies in host memory and returns their specs, the other ranks []."""
+        from diffrl.train.distributed import rank as process_rank
+        from diffrl.train.export import iter_weights
+        from diffrl.workers.weight_sync import tensor_specs
+
+        named = iter_weights(self.engine.transformer, adapter_only=self.engine.lora and not full)
+        if process_rank() != 0:
+            for _ in named:  # the all-gathers rank 0 needs
+                pass
+            return []
+        copies = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
+        self._snapshots[version] = copies
+        return tensor_specs(copies)
+
+    def send_snapshot(self, version: int, bucket_bytes: int) -> dict[str, float]:
+        """Stream the copies `snapshot_weights(version)` kept to the replicas and drop them; rank 0."""
+        if self._weight_sync is None:
+            raise RuntimeError("send_snapshot before join_weight_sync: the controller must join first")
+        if version not in self._snapshots:
+            raise RuntimeError(f"no snapshot of weight version {version} (held: {sorted(self._snapshots)})")
+        copies = self._snapshots.pop(version)
+        return self._weight_sync.send(iter(copies), bucket_bytes=bucket_bytes).metrics()
 
     def weight_digest(self) -> dict[str, str]:
         """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""

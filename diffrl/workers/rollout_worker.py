@@ -125,9 +125,11 @@ class RolloutWorker:
         rewards: Any,
         policy: str = POLICY,
         passes: Sequence[str] = (),
+        version: int | None = None,
     ) -> tuple[RolloutSummary, Any]:
         """Sample a shard of prompts as `policy`; each decoded micro-batch goes to `rewards.submit`
-        at once.
+        at once. `version`: the weight version the controller scheduled this request for (bounded
+        staleness); a replica holding another one raises instead of sampling.
 
         Returns the rollout's summary for the controller (the reward handles, in sample order, the
         weight version and the seconds this call took, `busy_s`, in its extras) and the rollout
@@ -135,6 +137,11 @@ class RolloutWorker:
         controller passes on without fetching the tensors (`ActorWorker.stage`). `passes`: the
         policies whose log-probs and SDE means to compute on the fresh rollout with the weights
         that sampled it (`evaluate`), in the summary's extras as `passes`."""
+        if version is not None and version != self.weight_version:  # the controller's order guarantees it
+            raise RuntimeError(
+                f"asked to sample step {step}'s request with weight version {version}, but this replica "
+                f"holds version {self.weight_version}: a weight delivery was skipped or reordered"
+            )
         start = time.perf_counter()
         summary, rollout = self.sample_scored(shard, seed=seed, step=step, rewards=rewards, policy=policy)
         if passes:

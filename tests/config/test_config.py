@@ -383,3 +383,47 @@ def test_hydra_prefixes_get_a_message_that_says_to_drop_them(override, expected,
     # and the override it suggests works (a tilde's key=null removes the preset's entry)
     fixed = expected.split("'")[1] if "write it as" in expected else expected.rsplit(" ", 1)[1]
     assert main(["config", "default", fixed]) == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["trainer.async_mode=bounded"],
+            r"trainer\.async_mode='bounded' is invalid: needs trainer\.placement=separate",
+        ),
+        (
+            ["trainer.placement=separate", "trainer.async_mode=bounded", "trainer.max_staleness=0"],
+            r"trainer\.max_staleness=0 is invalid: must be an integer >= 1 .*set trainer\.max_staleness=1 or more",
+        ),
+        (
+            ["trainer.placement=separate", "trainer.async_mode=one_step_off", "trainer.max_staleness=3"],
+            r"trainer\.max_staleness=3 is invalid: only applies to trainer\.async_mode=bounded \(this run's is "
+            r"one_step_off.*set trainer\.async_mode=bounded, or leave it at 2",
+        ),
+        (
+            [
+                "trainer.placement=separate",
+                "trainer.async_mode=bounded",
+                "rollout.log_prob_passes=rollout",
+            ],
+            r"rollout\.log_prob_passes='rollout' is invalid: cannot run the recomputed old log-probs on the "
+            r"replicas with trainer\.async_mode=bounded.*rollout\.log_prob_passes=auto",
+        ),
+    ],
+    ids=["colocated", "zero", "not_bounded", "old_log_probs_on_replicas"],
+)
+def test_bounded_staleness_settings_are_checked_naming_the_value_and_the_fix(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config("tiny_sd3", overrides)
+
+
+def test_bounded_staleness_keeps_the_old_log_probs_on_the_trainer_and_the_reference_on_the_replicas():
+    separate = ["trainer.placement=separate", "actor.loss.kl_coef=0.01"]
+    one_step_off = load_config("tiny_sd3", [*separate, "trainer.async_mode=one_step_off"])
+    bounded = load_config("tiny_sd3", [*separate, "trainer.async_mode=bounded", "trainer.max_staleness=3"])
+    assert one_step_off.rollout_passes == ("default", "reference")
+    assert bounded.rollout_passes == ("reference",)
+    assert bounded.trainer.max_staleness == 3
+    # the sampler's log-probs stay the behaviour policy's: the trainer recomputes the old ones
+    assert not bounded.reuses_rollout_log_probs

@@ -45,6 +45,7 @@ NOT_IN_THESE_RUNS = {
     "trainer/wait_fraction": "separate",
     "rollout/busy_seconds": "separate",
     "rollout/idle_fraction": "separate",
+    "async/in_flight": "bounded staleness (tests/controller/test_bounded.py logs it)",
 }
 
 PG = [

@@ -3,7 +3,7 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
-from diffrl.workers.roles import HybridWorker
+from diffrl.workers.roles import HybridWorker, PromptShard, RolloutWorker
 
 PROMPTS = ["a red circle", "a blue square"]
 
@@ -49,3 +49,23 @@ def test_hybrid_worker_samples_with_the_weights_it_just_trained(cfg):
     after = hybrid.sample(PROMPTS, seed=0, step=0)  # same seed, new weights, no copy in between
     assert not torch.equal(after.samples.final_latents, first.samples.final_latents)
     assert hybrid.rollout.adapter is hybrid.engine.adapter
+
+
+class _Handles:
+    """Reward workers that hand back a placeholder per decoded micro-batch (nothing is scored)."""
+
+    def submit(self, pixels, prompts, metadata):
+        return len(prompts)
+
+
+def test_a_replica_samples_a_request_only_with_the_weight_version_it_was_scheduled_for(cfg):
+    """Bounded staleness names each request's weight version: a replica holding another one
+    refuses it before sampling anything; one holding it samples and records it."""
+    replica = RolloutWorker(cfg)
+    shard = PromptShard(PROMPTS, ["0", "1"], [{}, {}], None, sample_offset=0)
+    with pytest.raises(RuntimeError, match=r"weight version 3, but this replica holds version 0"):
+        replica.sample_and_score(shard, seed=0, step=4, rewards=_Handles(), version=3)
+    replica.weight_version = 3  # what `receive_weights(..., version=3)` leaves behind
+    summary, _ = replica.sample_and_score(shard, seed=0, step=4, rewards=_Handles(), version=3)
+    assert summary.extras["weight_version"] == 3
+    assert len(summary) == len(PROMPTS) * cfg.rollout.n
