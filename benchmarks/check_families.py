@@ -92,7 +92,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="`diffrl check --quick`")
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, applied last")
+    parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
     args = parser.parse_args()
+    from diffrl.telemetry.console import configure
+
+    configure(verbose=args.verbose)  # quiet workers, as `diffrl train` has them
 
     families = list(PRESETS) if args.family == "all" else [args.family]
     results = {}
@@ -106,6 +110,7 @@ def main() -> None:
         cmd += ["--layers", str(args.layers)] if args.layers is not None else []
         cmd += ["--quick"] if args.quick else []
         cmd += ["--set", *args.set] if args.set else []
+        cmd += ["--verbose"] if args.verbose else []
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if done.returncode:
             results[family] = {"preset": PRESETS[family], "error": f"exit {done.returncode}"}

@@ -182,7 +182,11 @@ def main() -> None:
         "--splits", type=parse_layout, nargs="+", default=[], help="separate placements T+R to run"
     )
     parser.add_argument("--layout", type=parse_layout, default=None, help=argparse.SUPPRESS)  # one child run
+    parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
     args = parser.parse_args()
+    from diffrl.telemetry.console import configure
+
+    configure(verbose=args.verbose)  # quiet workers, as `diffrl train` has them
     if args.layout:
         layouts = [args.layout]
     else:
@@ -239,6 +243,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
     out = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device]
     if args.tiny:
         out.append("--tiny")
+    if args.verbose:
+        out.append("--verbose")
     return out + (["--set", *args.set] if args.set else [])
 
 

@@ -165,7 +165,11 @@ def main() -> None:
         "--remove-model", action="store_true", help="delete the pipeline directory at the end"
     )
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, applied last")
+    parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
     args = parser.parse_args()
+    from diffrl.telemetry.console import configure
+
+    configure(verbose=args.verbose)  # quiet workers, as `diffrl train` has them
 
     presets = FAMILIES[args.family][1]
     preset = args.preset or presets[0]
@@ -189,6 +193,7 @@ def main() -> None:
                 cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
                 cmd += ["--global-batch"] if args.global_batch else []
                 cmd += ["--set", *args.set] if args.set else []
+                cmd += ["--verbose"] if args.verbose else []
                 done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
                 results[name] = json.loads(done.stdout.strip().splitlines()[-1])["results"][name]
         else:
