@@ -8,7 +8,9 @@ window, LoRA, loss, micro-batches, compile) and these changes, all listed in the
 - one GPU: `actor.strategy=none`, `trainer.n_gpus_per_node=1`. The batch is the preset's share of
   one GPU: `data.prompts_per_step` and `actor.mini_batch_size` divided by the preset's GPU count
   (so each optimizer step sees what one of the preset's GPUs sees); `--global-batch` keeps the
-  preset's whole batch instead;
+  preset's whole batch instead. `--gpus N` runs N colocated GPUs, each with that share (the
+  batch × N), `actor.strategy` the run's own choice: its images/s/GPU over `--gpus 1`'s is the
+  per-GPU efficiency;
 - the model: a random pipeline of the family's real architecture (`random_pipelines.py`), built
   under /tmp if absent;
 - the reward: `jpeg_compressibility` (needs no external model) instead of the preset's
@@ -21,6 +23,7 @@ The first `--warmup` steps (compilation) are excluded, the rest averaged (`run_m
 
     python benchmarks/family_presets.py --family flux_dev                 # FLUX.1-dev LoRA, 3 steps
     python benchmarks/family_presets.py --family qwen_image --preset all  # the 3 Qwen-Image presets
+    python benchmarks/family_presets.py --family qwen_image --gpus 2      # 2 GPUs, each one GPU's share
     python benchmarks/family_presets.py --family wan21_1_3b --layers 1 --device cpu \\
         --set rollout.pipeline.height=64 rollout.pipeline.width=64 ...    # CPU smoke run
 """
@@ -76,8 +79,10 @@ def build_model(family: str, path: Path, layers: int | None, device: str) -> Non
         sys.stdout = stdout
 
 
-def one_gpu_overrides(preset: str, global_batch: bool) -> list[str]:
-    """The changes that run `preset` on one GPU with a reward that needs no model (module docstring)."""
+def one_gpu_overrides(preset: str, global_batch: bool, gpus_here: int = 1) -> list[str]:
+    """The changes that run `preset` on one GPU with a reward that needs no model (module docstring);
+    with `gpus_here` > 1, on that many GPUs colocated, each with one GPU's share of the batch and
+    `actor.strategy` left to the run (`auto`)."""
     from diffrl.config.loader import load_config
 
     cfg = load_config(preset)
@@ -94,11 +99,11 @@ def one_gpu_overrides(preset: str, global_batch: bool) -> list[str]:
     frames = {fn.video_frames for fn in cfg.reward.functions.values()} - {None}
     video_frames = f", video_frames: {min(frames)}" if frames else ""
     return [
-        "actor.strategy=none",
-        "trainer.n_gpus_per_node=1",
+        *(["actor.strategy=none"] if gpus_here == 1 else []),
+        f"trainer.n_gpus_per_node={gpus_here}",
         "trainer.nnodes=1",
-        f"data.prompts_per_step={prompts}",
-        f"actor.mini_batch_size={mini}",
+        f"data.prompts_per_step={prompts * gpus_here}",
+        f"actor.mini_batch_size={mini * gpus_here}",
         f"reward.functions=!replace {{{REWARD}: {{weight: 1.0{video_frames}}}}}",
         "reward.workers=1",
         "reward.gpus_per_worker=0",
@@ -117,7 +122,7 @@ def run_preset(preset: str, model: Path, out: Path, args: argparse.Namespace) ->
 
     overrides = [
         f"model.path={model}",
-        *one_gpu_overrides(preset, args.global_batch),
+        *one_gpu_overrides(preset, args.global_batch, args.gpus),
         f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={out}",
         f"trainer.run_name={preset}",
@@ -160,6 +165,9 @@ def main() -> None:
     parser.add_argument(
         "--global-batch", action="store_true", help="keep the preset's whole batch on one GPU"
     )
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="colocated GPUs, each with one GPU's share (scaling)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="run directories (default: a temp dir)")
     parser.add_argument(
         "--remove-model", action="store_true", help="delete the pipeline directory at the end"
@@ -190,7 +198,7 @@ def main() -> None:
             for name in presets:
                 cmd = [sys.executable, __file__, "--family", args.family, "--preset", name]
                 cmd += ["--model", str(model), "--out", str(out), "--device", args.device]
-                cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+                cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--gpus", str(args.gpus)]
                 cmd += ["--global-batch"] if args.global_batch else []
                 cmd += ["--set", *args.set] if args.set else []
                 cmd += ["--verbose"] if args.verbose else []
@@ -214,6 +222,7 @@ def main() -> None:
                 "reward": f"{REWARD} (stands in for the preset's reward: it needs no external model)",
                 "data": PROMPTS,
                 "batch": "the preset's whole batch" if args.global_batch else "the preset's per-GPU share",
+                "gpus": args.gpus,
                 "warmup_steps": args.warmup,
                 "measured_steps": args.steps - args.warmup,
                 "results": results,
