@@ -78,6 +78,7 @@ class FluxKontextAdapter(FluxAdapter):
         pipe = self.pipe
         multiple = pipe.vae_scale_factor * 2
         latents, shapes = [], []
+        done: dict[int, tuple[torch.Tensor, list[int]]] = {}  # an image shared by rows: one VAE pass
         with torch.no_grad():
             for row in images:
                 if len(row) != 1:
@@ -85,13 +86,18 @@ class FluxKontextAdapter(FluxAdapter):
                         f"FluxKontextPipeline takes exactly 1 condition image per prompt; got {len(row)}"
                     )
                 (image,) = row
-                width, height = kontext_size(*image.size, multiple_of=multiple, auto_resize=self.auto_resize)
-                resized = pipe.image_processor.resize(image, height, width)
-                pixels = pipe.image_processor.preprocess(resized, height, width)
-                encoded = pipe._encode_vae_image(pixels.to(self.device, self.dtype), generator=None)
-                rows, cols = encoded.shape[2:]
-                latents.append(pipe._pack_latents(encoded, 1, encoded.shape[1], rows, cols))
-                shapes.append([[rows // 2, cols // 2]])
+                if id(image) not in done:
+                    width, height = kontext_size(
+                        *image.size, multiple_of=multiple, auto_resize=self.auto_resize
+                    )
+                    resized = pipe.image_processor.resize(image, height, width)
+                    pixels = pipe.image_processor.preprocess(resized, height, width)
+                    encoded = pipe._encode_vae_image(pixels.to(self.device, self.dtype), generator=None)
+                    rows, cols = encoded.shape[2:]
+                    packed = pipe._pack_latents(encoded, 1, encoded.shape[1], rows, cols)
+                    done[id(image)] = (packed, [rows // 2, cols // 2])
+                latents.append(done[id(image)][0])
+                shapes.append([done[id(image)][1]])
         if any(s != shapes[0] for s in shapes):
             raise ValueError(
                 f"the prompts' condition images give different condition sizes {shapes}: one batch needs "

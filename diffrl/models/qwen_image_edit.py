@@ -180,6 +180,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         rule = self.condition_rule
         sides: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
         latents, shapes = [], []
+        encoded: dict[int, tuple[torch.Tensor, list[int]]] = {}  # an image shared by rows: one VAE pass
         with torch.no_grad():
             for i, (prompt, row) in enumerate(zip(prompts, images, strict=True)):
                 if not rule.min_images <= len(row) <= rule.max_images:
@@ -187,13 +188,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
                         f"prompt {prompt!r} has {len(row)} condition image(s); {rule.family} takes "
                         f"{rule.count_text()}"
                     )
-                text_images, vae_images = self._resized(row)
+                text_images = self._text_images(row)
                 sides[0].append(self._encode_text(prompt, text_images))
                 if negative_prompts is not None:
                     sides[1].append(self._encode_text(negative_prompts[i], text_images))
-                row_latents, row_shapes = self._encode_images(vae_images)
-                latents.append(row_latents)
-                shapes.append(row_shapes)
+                for image in row:
+                    if id(image) not in encoded:
+                        encoded[id(image)] = self._encode_image(image)
+                latents.append(torch.cat([encoded[id(image)][0] for image in row], dim=1))
+                shapes.append([encoded[id(image)][1] for image in row])
         if any(s != shapes[0] for s in shapes):
             raise ValueError(
                 f"the prompts' condition images give different condition token grids {shapes}: one batch "
@@ -213,14 +216,18 @@ class QwenImageEditAdapter(QwenImageAdapter):
             batch_size=[len(prompts)],
         )
 
-    def _resized(self, row: list[Any]) -> tuple[Any, list[torch.Tensor]]:
-        """(what the text encoder sees, [VAE input [1, 3, 1, h, w] per image]) for one prompt's
-        images, as `QwenImageEditPipeline.__call__` prepares its single image."""
+    def _text_images(self, row: list[Any]) -> Any:
+        """What the text encoder sees of one prompt's images: in `QwenImageEditPipeline.__call__`,
+        its single image resized for the VAE (`_vae_input`)."""
         (image,) = row
-        processor = self.pipe.image_processor
         width, height = _vae_size(*image.size)
-        resized = processor.resize(image, height, width)
-        return resized, [processor.preprocess(resized, height, width).unsqueeze(2)]
+        return self.pipe.image_processor.resize(image, height, width)
+
+    def _vae_input(self, image: Any) -> torch.Tensor:
+        """[1, 3, 1, h, w] in [-1, 1]: the image resized to ~1024² (Lanczos), as both pipelines."""
+        width, height = _vae_size(*image.size)
+        processor = self.pipe.image_processor
+        return processor.preprocess(processor.resize(image, height, width), height, width).unsqueeze(2)
 
     def _encode_text(self, prompt: str, text_images: Any) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, mask = self.pipe.encode_prompt(prompt=[prompt], image=text_images, device=self.device)
@@ -228,18 +235,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return embeds, mask
 
-    def _encode_images(self, vae_images: list[torch.Tensor]) -> tuple[torch.Tensor, list[list[int]]]:
-        """[1, N_c, 64] packed latents of the images, concatenated along the tokens (the Plus
-        pipeline's `prepare_latents`), and each image's packed grid (rows, columns)."""
+    def _encode_image(self, image: Any) -> tuple[torch.Tensor, list[int]]:
+        """[1, N, 64] packed latents of one condition image (the pipelines' `prepare_latents`; the
+        Plus pipeline concatenates a row's images along the tokens) and its packed grid."""
         pipe = self.pipe
-        packed, grids = [], []
-        for image in vae_images:
-            image = image.to(device=self.device, dtype=self.dtype)
-            latents = pipe._encode_vae_image(image=image, generator=None)  # posterior mode: no draw
-            rows, cols = latents.shape[3:]
-            packed.append(pipe._pack_latents(latents, 1, latents.shape[1], rows, cols))
-            grids.append([rows // 2, cols // 2])
-        return torch.cat(packed, dim=1), grids
+        pixels = self._vae_input(image).to(device=self.device, dtype=self.dtype)
+        latents = pipe._encode_vae_image(image=pixels, generator=None)  # posterior mode: no draw
+        rows, cols = latents.shape[3:]
+        return pipe._pack_latents(latents, 1, latents.shape[1], rows, cols), [rows // 2, cols // 2]
 
     def _with_condition(
         self,
@@ -322,17 +325,18 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         encoded_size=_vae_size,
     )
 
-    def _resized(self, row: list[Any]) -> tuple[Any, list[torch.Tensor]]:
-        """As `QwenImageEditPlusPipeline.__call__`: each image resized to ~384² for the text encoder
-        and, from the original, to ~1024² for the VAE."""
+    def _text_images(self, row: list[Any]) -> Any:
+        """As `QwenImageEditPlusPipeline.__call__`: each image resized to ~384² for the text encoder."""
         processor = self.pipe.image_processor
-        text_images, vae_images = [], []
-        for image in row:
-            width, height = qwen_edit_dimensions(VL_IMAGE_AREA, *image.size)
-            text_images.append(processor.resize(image, height, width))
-            width, height = _vae_size(*image.size)
-            vae_images.append(processor.preprocess(image, height, width).unsqueeze(2))
-        return text_images, vae_images
+        return [
+            processor.resize(image, *qwen_edit_dimensions(VL_IMAGE_AREA, *image.size)[::-1]) for image in row
+        ]
+
+    def _vae_input(self, image: Any) -> torch.Tensor:
+        """As `QwenImageEditPlusPipeline.__call__`: the original image to ~1024² by `preprocess`
+        alone (Qwen-Image-Edit resizes first, then preprocesses)."""
+        width, height = _vae_size(*image.size)
+        return self.pipe.image_processor.preprocess(image, height, width).unsqueeze(2)
 
     def pipeline_call(self, prompts, negative_prompts, *, images=None, **settings) -> dict[str, Any]:
         """As Qwen-Image-Edit's, with each prompt's list of images."""

@@ -172,6 +172,7 @@ class TrajectorySampler:
         by_key = {key: r for key, r in zip(keys, rows, strict=True)}
         chunk = chunk or max(1, len(keys))
         row: dict[tuple, int] = {}
+        loaded: dict[str, Any] = {}  # each image opened once: an adapter encodes one image object once
         tables = []
         for start in range(0, len(keys), chunk):
             new = list(dict.fromkeys(k for k in keys[start : start + chunk] if k not in row))
@@ -186,7 +187,7 @@ class TrajectorySampler:
             if images is None:
                 tables.append(self.adapter.encode_prompts(texts, negative_texts, max_length))
             else:
-                opened = [[image.load() for image in by_key[key]] for key in new]
+                opened = [[_opened(image, loaded) for image in by_key[key]] for key in new]
                 tables.append(self.adapter.encode_conditioned(texts, negative_texts, max_length, opened))
         embeds = tables[0] if len(tables) == 1 else PromptEmbeds.cat_padded(tables)
         order = [row[k] for k in keys]
@@ -362,6 +363,13 @@ class TrajectorySampler:
             transient=True,
             disable=not self.progress,
         )
+
+
+def _opened(image: ConditionImage, loaded: dict[str, Any]) -> Any:
+    """`image` decoded, once per key into `loaded`."""
+    if image.key not in loaded:
+        loaded[image.key] = image.load()
+    return loaded[image.key]
 
 
 def _cat_steps(parts: list[sde.StepOut]) -> sde.StepOut:
