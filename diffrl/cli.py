@@ -27,6 +27,7 @@ examples:
   diffrl export runs/latest --out my_model --merge a full pipeline, LoRA merged
   diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/
   diffrl sample --model ./sd35-medium --lora my_lora --prompt "a cat holding a sign" --out samples/
+  diffrl sample --model ./flux-kontext --image cat.png --prompt "make the cat blue" --out samples/
 
 Keys and their meaning: docs/configuration.md
 """
@@ -128,6 +129,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size,
         lora=args.lora,
         lora_scale=args.lora_scale,
+        images=args.image,
     )
     print(f"wrote {len(written)} file(s) and samples.jsonl to {args.out}")
     return 0
@@ -246,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--lora-scale", type=float, default=1.0, help="LoRA strength (default 1)")
     sample.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     sample.add_argument("--prompts-file", help="a text file with one prompt per line")
+    sample.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="image-edit models: the image to edit, the same for every prompt (repeat for models that "
+        "take several, e.g. Qwen-Image-Edit-2509)",
+    )
     sample.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
     sample.add_argument("--out", required=True, help="output folder (images, videos as GIF, samples.jsonl)")
     sample.add_argument("--seed", type=int, default=0)

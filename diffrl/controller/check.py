@@ -104,6 +104,7 @@ def _in_process(
             [r.prompt for r in records],
             policy,
             metadata=[r.metadata for r in records],
+            images=_images(records),
         )
         if log_probs:
             rows += _log_prob_rows(cfg, group, sample=worker.sample, recompute=worker.log_probs)
@@ -111,13 +112,20 @@ def _in_process(
         if quick:
             rows.append(skipped("memory", "--quick leaves out the micro-batches at the preset's sizes"))
         else:
-            rows += memory_rows(cfg, worker, [r.prompt for r in group] or [r.prompt for r in records])
+            rows += memory_rows(
+                cfg, worker, [r.prompt for r in group or records], images=_images(group or records)
+            )
         return rows
     finally:
         del worker
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _images(records: Sequence[PromptRecord]) -> list | None:
+    """The records' condition images (image-edit families), None when they carry none."""
+    return [r.images for r in records] if any(r.images for r in records) else None
 
 
 def _sampling_policy(cfg: Config, worker) -> Callable[[], AbstractContextManager]:
@@ -137,6 +145,7 @@ def _log_prob_rows(cfg: Config, group: list[PromptRecord], *, sample, recompute)
         step=0,
         uids=["check"] * len(group),
         metadata=[r.metadata for r in group],
+        images=_images(group),
     )
     recomputed, _ = recompute(rollout)
     steps = rollout.step_indices.tolist()

@@ -142,9 +142,12 @@ def measure_phase(
     )
 
 
-def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckRow]:
+def memory_rows(
+    cfg: Config, worker: Any, prompts: Sequence[str], images: Sequence[Any] | None = None
+) -> list[CheckRow]:
     """Peak memory of one micro-batch of each phase, at the preset's sizes, on `worker` (a
-    HybridWorker: the sampler and the engine of a colocated run)."""
+    HybridWorker: the sampler and the engine of a colocated run); `images`: the prompts'
+    condition images (image-edit families)."""
     if cfg.world_size > 1 and cfg.actor.strategy == "fsdp2":
         return [
             skipped(
@@ -158,6 +161,7 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
     # enough samples for one micro-batch of each phase (the sampler runs rollout.micro_batch_size at a time)
     groups = max(1, -(-max(sample_micro, train_micro) // n))
     batch_prompts = [prompts[i % len(prompts)] for i in range(groups)]
+    batch_images = None if images is None else [images[i % len(images)] for i in range(groups)]
     seed = cfg.rollout_seed
     rows = []
     sample_row, rollout = measure_phase(
@@ -166,7 +170,7 @@ def memory_rows(cfg: Config, worker: Any, prompts: Sequence[str]) -> list[CheckR
         sample_micro,
         device,
         worker.memory,
-        lambda: worker.sample(batch_prompts, seed=seed, step=1),
+        lambda: worker.sample(batch_prompts, seed=seed, step=1, images=batch_images),
     )
     rows.append(sample_row)
     if rollout is None:

@@ -83,15 +83,13 @@ def _distinct(per_step: set[tuple[int, ...]]) -> list[int]:
 
 
 def _steps(calls: Sequence[Call]) -> list[list[Call]]:
-    """Calls grouped by denoising step: consecutive calls at one timestep (a pipeline may run the
-    two CFG halves as two calls)."""
-    steps: list[list[Call]] = []
+    """Calls grouped by denoising step, in order: the calls at one timestep (a pipeline may run the
+    two CFG halves as two calls, and the edit pipelines one prompt per call: each prompt's loop
+    comes back to the same timesteps)."""
+    steps: dict[float, list[Call]] = {}
     for call in calls:
-        if steps and steps[-1][0].timestep == call.timestep:
-            steps[-1].append(call)
-        else:
-            steps.append([call])
-    return steps
+        steps.setdefault(call.timestep, []).append(call)
+    return list(steps.values())
 
 
 def sampler_vs_pipeline(
@@ -100,11 +98,13 @@ def sampler_vs_pipeline(
     prompts: Sequence[str],
     use_policy: Callable[[], AbstractContextManager],
     metadata: Sequence[dict[str, Any]] | None = None,
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> tuple[list[CheckRow], Rollout]:
     """Rows for the ODE sampler against the family's pipeline and for every pipeline setting;
     returns the sampler's rollout too (its pixels feed the reward check). `use_policy` is the
     context the run samples in (peft's active adapter, or merged weights); `metadata` goes with
-    the prompts to the rewards."""
+    the prompts to the rewards; `images` are the prompts' condition images (`ConditionImage` rows,
+    image-edit families), which both the sampler and the pipeline get."""
     pipe = cfg.rollout.pipeline
     steps = pipe.num_inference_steps
     # The run's own validation sampler, made deterministic (ODE), one sample per prompt, the run's
@@ -114,7 +114,7 @@ def sampler_vs_pipeline(
     )
     sampler = TrajectorySampler(adapter, rollout_cfg, progress=False)
     with torch.no_grad(), use_policy(), recorded_calls(adapter.transformer) as ours:
-        rollout = sampler.sample_validation(list(prompts), metadata=metadata)
+        rollout = sampler.sample_validation(list(prompts), metadata=metadata, images=images)
     noise = rollout.samples.window_latents[:, 0]  # a validation rollout keeps its initial noise
     negatives = (
         [pipe.negative_prompt] * len(prompts)
@@ -131,6 +131,7 @@ def sampler_vs_pipeline(
         width=pipe.width,
         num_frames=pipe.num_frames,
         max_sequence_length=pipe.max_sequence_length,
+        images=None if images is None else [[image.load() for image in row] for row in images],
     )
     with torch.no_grad(), use_policy(), recorded_calls(adapter.transformer) as theirs:
         reference = adapter.pipeline_latents(noise.clone(), call).float()

@@ -28,8 +28,9 @@ from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN
 from diffrl.controller.sizes import check_sizes
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.files import check_output_dir, check_regular, read_json_file
-from diffrl.models import read_model_index, resolve_model_path
+from diffrl.models import adapter_class, read_model_index, resolve_model_path
 from diffrl.models.base import MODEL_DIR_FIX
+from diffrl.models.conditions import ConditionRow, check_condition_rows
 from diffrl.models.sampling import ImageGeometry
 from diffrl.rewards import reward_specs
 
@@ -70,14 +71,24 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
         raise ConfigError(
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
         )
-    train = load_prompts([data_path(p) for p in cfg.data.train_files], cfg.data.prompt_key)
+    rule = adapter_class(index["_class_name"]).condition_rule
+    image_key = cfg.data.image_key if rule is not None else None  # read for edit models only
+    train = load_prompts([data_path(p) for p in cfg.data.train_files], cfg.data.prompt_key, image_key)
     if not cfg.reward.functions:
         val = []  # nothing to score validation samples with
     elif cfg.data.val_files:
-        val = load_prompts([data_path(p) for p in cfg.data.val_files], cfg.data.prompt_key)
+        val = load_prompts([data_path(p) for p in cfg.data.val_files], cfg.data.prompt_key, image_key)
     else:
         val = train[:VALIDATION_PROMPTS_FROM_TRAIN]
+    if rule is not None:
+        check_condition_rows(rule, condition_rows(train), "data.train_files", cfg.data.image_key)
+        check_condition_rows(rule, condition_rows(val), "data.val_files", cfg.data.image_key)
     return train, val
+
+
+def condition_rows(records: Sequence[PromptRecord]) -> list[ConditionRow]:
+    """The records' condition images as `diffrl.models.conditions` checks them."""
+    return [(r.source, [(i.name, i.width, i.height) for i in r.images]) for r in records]
 
 
 def choose_parallelism(cfg: Config) -> None:

@@ -26,4 +26,5 @@ def prompt_shard(
         metadata=[dict(r.metadata) for r in records],
         negative_prompts=_negatives(records, negative),
         sample_offset=sample_offset,
+        images=[r.images for r in records] if any(r.images for r in records) else None,
     )

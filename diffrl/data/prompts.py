@@ -4,6 +4,12 @@ Every row becomes a `PromptRecord`: the prompt, an optional negative prompt, and
 of the row as `metadata`, which travels with the prompt to the reward functions (an OCR target text,
 a shapes spec, a `data_source` for per-source validation metrics). Rows are checked while loading,
 so a bad file fails before any model or worker starts, with the file, the line (or row) and the fix.
+
+For image-edit models a row also carries its condition image(s) in the field `image_key`
+(`data.image_key`, "image" by default; read only when the model takes condition images): a path
+relative to the prompt file, bytes in a parquet column, or a list of them. Each is opened and
+checked while loading (`diffrl.data.images.read_condition_image`) and kept as
+`PromptRecord.images`, not in the metadata.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffrl.data.images import ConditionImage, read_condition_image
 from diffrl.files import open_regular
 
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
@@ -48,6 +55,7 @@ class PromptRecord:
     negative_prompt: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
     source: str = "<memory>"
+    images: tuple[ConditionImage, ...] = ()  # condition images (image-edit models), in row order
 
     @property
     def data_source(self) -> str | None:
@@ -55,13 +63,17 @@ class PromptRecord:
 
 
 def load_prompts(
-    files: Sequence[str | os.PathLike] | str | os.PathLike, prompt_key: str = "prompt"
+    files: Sequence[str | os.PathLike] | str | os.PathLike,
+    prompt_key: str = "prompt",
+    image_key: str | None = None,
 ) -> list[PromptRecord]:
     """Every prompt of `files`, in file order then row order.
 
     `prompt_key` names the field holding the prompt in .jsonl/.parquet rows (`data.prompt_key`); a
-    .txt file is all prompts. Raises FileNotFoundError for a missing file and ValueError for an
-    unsupported extension, a file without prompts, or a bad row (naming the file, the line and the fix).
+    .txt file is all prompts. `image_key` (`data.image_key`, for models that take condition images;
+    None = rows carry none) names the field holding each row's condition image(s), read and checked
+    here. Raises FileNotFoundError for a missing file or image and ValueError for an unsupported
+    extension, a file without prompts, or a bad row (naming the file, the line and the fix).
     """
     if isinstance(files, str | os.PathLike):
         files = [files]
@@ -72,14 +84,19 @@ def load_prompts(
         raise ValueError(
             f"prompt_key={prompt_key!r} is invalid: it must name the field that holds the prompt"
         )
+    if image_key is not None and (not isinstance(image_key, str) or not image_key or image_key == prompt_key):
+        raise ValueError(
+            f"image_key={image_key!r} is invalid: it must name the field that holds the condition image(s), "
+            f"other than the prompt's ({prompt_key!r})"
+        )
     records: list[PromptRecord] = []
     for file in files:
-        records.extend(_load_file(Path(file), prompt_key))
+        records.extend(_load_file(Path(file), prompt_key, image_key))
     return records
 
 
 # --------------------------------------------------------------------------------------- files
-def _load_file(path: Path, prompt_key: str) -> list[PromptRecord]:
+def _load_file(path: Path, prompt_key: str, image_key: str | None) -> list[PromptRecord]:
     if not path.exists():
         raise FileNotFoundError(
             f"prompt file not found: {path} (resolved to {path.resolve()}); "
@@ -88,12 +105,18 @@ def _load_file(path: Path, prompt_key: str) -> list[PromptRecord]:
     if path.is_dir():
         raise ValueError(f"{path} is a directory: list the prompt files in it ({_FORMATS}) one by one")
     suffix = path.suffix.lower()
+    if suffix == ".txt" and image_key is not None:
+        raise ValueError(
+            f"{path}: a .txt prompt file holds prompts only, and this model takes condition images: write "
+            f'the rows as .jsonl, e.g. {{"prompt": "make the sky red", "{image_key}": "images/1.png"}}, '
+            "or as .parquet with the images' bytes in a column"
+        )
     if suffix == ".txt":
         records = _load_txt(path)
     elif suffix == ".jsonl":
-        records = _load_jsonl(path, prompt_key)
+        records = _load_jsonl(path, prompt_key, image_key)
     elif suffix == ".parquet":
-        records = _load_parquet(path, prompt_key)
+        records = _load_parquet(path, prompt_key, image_key)
     else:
         hint = ""
         if suffix == ".json":
@@ -154,7 +177,7 @@ def _load_txt(path: Path) -> list[PromptRecord]:
     return records
 
 
-def _load_jsonl(path: Path, prompt_key: str) -> list[PromptRecord]:
+def _load_jsonl(path: Path, prompt_key: str, image_key: str | None) -> list[PromptRecord]:
     records = []
     for number, line in _read_lines(path):
         if not line.strip():
@@ -171,11 +194,11 @@ def _load_jsonl(path: Path, prompt_key: str) -> list[PromptRecord]:
                 f"{path}:{number}: expected a JSON object, got a JSON {_json_type(row)}; write each row "
                 f'as an object, e.g. {{"{prompt_key}": "a red circle"}}'
             )
-        records.append(_record(row, prompt_key, path, number, "line"))
+        records.append(_record(row, prompt_key, path, number, "line", image_key))
     return records
 
 
-def _load_parquet(path: Path, prompt_key: str) -> list[PromptRecord]:
+def _load_parquet(path: Path, prompt_key: str, image_key: str | None) -> list[PromptRecord]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -194,12 +217,15 @@ def _load_parquet(path: Path, prompt_key: str) -> list[PromptRecord]:
             f"{_key_fix(prompt_key, table.column_names)}"
         )
     return [
-        _record(row, prompt_key, path, number, "row") for number, row in enumerate(table.to_pylist(), start=1)
+        _record(row, prompt_key, path, number, "row", image_key)
+        for number, row in enumerate(table.to_pylist(), start=1)
     ]
 
 
 # ----------------------------------------------------------------------------------------- rows
-def _record(row: dict[str, Any], prompt_key: str, path: Path, number: int, unit: str) -> PromptRecord:
+def _record(
+    row: dict[str, Any], prompt_key: str, path: Path, number: int, unit: str, image_key: str | None = None
+) -> PromptRecord:
     where = f"{path}:{number}" if unit == "line" else f"{path} {unit} {number}"
     if prompt_key not in row:
         keys = list(row)
@@ -222,7 +248,8 @@ def _record(row: dict[str, Any], prompt_key: str, path: Path, number: int, unit:
         )
     if negative is not None:
         _check_length(negative, repr(NEGATIVE_PROMPT_KEY), where)
-    metadata = {k: v for k, v in row.items() if k not in (prompt_key, NEGATIVE_PROMPT_KEY)}
+    images = _condition_images(row.get(image_key), path, where, image_key) if image_key is not None else ()
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, NEGATIVE_PROMPT_KEY, image_key)}
     source = metadata.get(DATA_SOURCE_KEY)
     if source is None:  # absent, or a null cell of a parquet column
         metadata[DATA_SOURCE_KEY] = path.stem
@@ -231,7 +258,19 @@ def _record(row: dict[str, Any], prompt_key: str, path: Path, number: int, unit:
             f"{where}: {DATA_SOURCE_KEY!r} must be a non-empty string (it names validation metrics), "
             f"got {_short(source)}; leave it out to use the file name {path.stem!r}"
         )
-    return PromptRecord(prompt, negative, metadata, f"{path}:{number}")
+    return PromptRecord(prompt, negative, metadata, f"{path}:{number}", images)
+
+
+def _condition_images(value: Any, path: Path, where: str, key: str) -> tuple[ConditionImage, ...]:
+    """The row's condition images: none when the field is absent or null (the model family's rule on
+    the count reports a row that needs one), one, or a list (a JSON array or a parquet list column)."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list | tuple) else [value]
+    return tuple(
+        read_condition_image(item, path.parent, f"{where} ({key}[{i}])" if len(values) > 1 else where, key)
+        for i, item in enumerate(values)
+    )
 
 
 def _check_length(text: str, what: str, where: str) -> None:

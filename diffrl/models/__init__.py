@@ -22,6 +22,9 @@ ADAPTERS: dict[str, str] = {
     "StableDiffusion3Pipeline": "diffrl.models.sd3:SD3Adapter",
     "FluxPipeline": "diffrl.models.flux:FluxAdapter",
     "QwenImagePipeline": "diffrl.models.qwen_image:QwenImageAdapter",
+    "QwenImageEditPipeline": "diffrl.models.qwen_image_edit:QwenImageEditAdapter",
+    "QwenImageEditPlusPipeline": "diffrl.models.qwen_image_edit:QwenImageEditPlusAdapter",
+    "FluxKontextPipeline": "diffrl.models.flux_kontext:FluxKontextAdapter",
     "WanPipeline": "diffrl.models.wan:WanAdapter",
 }
 

@@ -30,6 +30,7 @@ from diffusers import DiffusionPipeline
 from tensordict import tensorclass
 
 from diffrl.files import read_json_file
+from diffrl.models.conditions import ConditionRule
 from diffrl.schedules import Schedule, flow_match_schedule
 
 #: The fix for a model directory whose files do not parse.
@@ -47,6 +48,14 @@ class PromptEmbeds:
     SD3/FLUX. The `negative_*` fields are the unconditional side of CFG (None without CFG). Rows
     are indexed like any tensorclass (`embeds[idx]`), so a sampler encodes each unique prompt once
     and gathers rows for its (prompt, sample) pairs.
+
+    Image-edit families (`ModelAdapter.condition_rule`) condition on images too: `cond_latents`
+    [P, N_c, C] are the condition images' VAE latents in the family's packed token layout (all of a
+    row's images, concatenated along the tokens, as the pipeline appends them to the noisy latents),
+    and `cond_shapes` [P, K, 2] (int64) the token grid (rows, columns) of each of the K images, from
+    which the family builds its position ids. They are part of the conditioning table, so the
+    sampler and the trainer's recomputation see the same condition latents (computed once per
+    (prompt, images) pair), and both CFG sides share them.
     """
 
     embeds: torch.Tensor
@@ -55,10 +64,17 @@ class PromptEmbeds:
     negative_embeds: torch.Tensor | None = None
     negative_mask: torch.Tensor | None = None
     negative_pooled: torch.Tensor | None = None
+    cond_latents: torch.Tensor | None = None
+    cond_shapes: torch.Tensor | None = None
 
     @property
     def has_negative(self) -> bool:
         return self.negative_embeds is not None
+
+    @property
+    def cond_tokens(self) -> int:
+        """Condition-image tokens per row (0 without condition images)."""
+        return 0 if self.cond_latents is None else int(self.cond_latents.shape[1])
 
     @staticmethod
     def cat_padded(parts: Sequence[PromptEmbeds]) -> PromptEmbeds:
@@ -88,6 +104,8 @@ class PromptEmbeds:
                     negative_embeds=_pad_tokens(p.negative_embeds, length) if negative else None,
                     negative_mask=_pad_tokens(p.negative_mask, length) if negative else None,
                     negative_pooled=p.negative_pooled,
+                    cond_latents=p.cond_latents,
+                    cond_shapes=p.cond_shapes,
                     batch_size=p.batch_size,
                 )
             )
@@ -124,6 +142,9 @@ class ModelAdapter(ABC):
     max_text_tokens: ClassVar[int]
     #: Components loaded in a dtype of their own instead of `model.dtype` (e.g. Wan's VAE in fp32).
     component_dtypes: ClassVar[dict[str, torch.dtype]] = {}
+    #: Image-edit families: the condition images a prompt row carries (count, aspect ratio, the size
+    #: they are encoded at), checked on the prompt file before the model loads; None = text only.
+    condition_rule: ClassVar[ConditionRule | None] = None
 
     def __init__(self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
         self.pipe = pipe
@@ -148,10 +169,17 @@ class ModelAdapter(ABC):
             for name, spec in index.items()
             if not name.startswith("_") and isinstance(spec, list) and spec[0] is None
         }
-        pipe = DiffusionPipeline.from_pretrained(str(path), dtype=dtypes, local_files_only=True, **absent)
+        pipe = DiffusionPipeline.from_pretrained(
+            str(path), dtype=dtypes, local_files_only=True, **absent, **cls.loaded_components(Path(path))
+        )
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
         return cls(pipe, device, dtype)
+
+    @classmethod
+    def loaded_components(cls, path: Path) -> dict[str, Any]:
+        """Components this family loads itself and hands to `from_pretrained` (none by default)."""
+        return {}
 
     # ------------------------------------------------------------------------------ components
     @property
@@ -212,6 +240,25 @@ class ModelAdapter(ABC):
         max_sequence_length: int,
     ) -> PromptEmbeds:
         """Encode P prompts (and their negatives when CFG is on; None = no CFG) without grad."""
+
+    def encode_conditioned(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        max_sequence_length: int,
+        images: Sequence[Sequence[Any]],
+    ) -> PromptEmbeds:
+        """`encode_prompts` for image-edit families: each prompt with its condition images (Pillow
+        RGB images, `images[i]` for prompt i), encoded as the family's pipeline encodes them into
+        `cond_latents` / `cond_shapes` (and, where the text encoder sees the images, the embeds)."""
+        raise self._text_only_error()
+
+    def _text_only_error(self) -> ValueError:
+        return ValueError(
+            f"{type(self).__name__} ({self.pipeline_class_name}) generates from text only and takes no "
+            "condition images: use an image-edit model (docs/models.md), or leave the images out "
+            "(data.image_key is read only for edit models; diffrl sample without --image)"
+        )
 
     def wants_negative(self, guidance_scale: float, true_cfg_scale: float | None = None) -> bool:
         """Whether these guidance settings run an unconditional pass on negative-prompt embeddings.
@@ -331,12 +378,15 @@ class ModelAdapter(ABC):
         width: int,
         num_frames: int,
         max_sequence_length: int,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> dict[str, Any]:
         """Keyword arguments of the family's own diffusers pipeline call that samples, with its ODE
         loop, what diffrl's sampler samples with these settings and negatives (`diffrl check`
         compares the two from the same initial noise). Classic CFG families (SD3, Wan): the
-        pipeline's `guidance_scale` is the CFG scale and its negatives are ours."""
+        pipeline's `guidance_scale` is the CFG scale and its negatives are ours. `images`: each
+        prompt's condition images, for image-edit families (others raise)."""
         self._require_no_true_cfg(true_cfg_scale)
+        self._require_no_images(images)
         kwargs: dict[str, Any] = dict(
             prompt=list(prompts),
             negative_prompt=list(negative_prompts) if negative_prompts is not None else None,
@@ -349,6 +399,10 @@ class ModelAdapter(ABC):
         if self.is_video:
             kwargs["num_frames"] = num_frames
         return kwargs
+
+    def _require_no_images(self, images: Sequence[Sequence[Any]] | None) -> None:
+        if images is not None and self.condition_rule is None:
+            raise self._text_only_error()
 
     def reference_pipeline(self) -> DiffusionPipeline:
         """The diffusers pipeline the sampler must agree with: the loaded one, on the same modules."""
@@ -363,12 +417,14 @@ class ModelAdapter(ABC):
     # ------------------------------------------------------------------------------ facts
     @abstractmethod
     def flops_per_forward(
-        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1, cond_tokens: int = 0
     ) -> float:
         """Transformer FLOPs of one forward over `batch` samples (a CFG pair counts as 2 samples).
 
         Count 2·(multiply-accumulates) of every matmul including attention scores and values; in
         two-stream (MMDiT) blocks each stream's weights see only that stream's tokens.
+        `cond_tokens`: condition-image tokens per sample (`PromptEmbeds.cond_tokens`; edit
+        families append them to the image tokens, so they go through every image-stream weight).
         """
 
 

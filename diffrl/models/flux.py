@@ -124,11 +124,13 @@ class FluxAdapter(ModelAdapter):
         width: int,
         num_frames: int,
         max_sequence_length: int,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> dict[str, Any]:
         """The `FluxPipeline` call of these settings (module docstring): `guidance_scale` is the
         distilled guidance embedding, true CFG runs with our negatives (the pipeline's default
-        `true_cfg_scale` of 1 is off)."""
+        `true_cfg_scale` of 1 is off). FLUX.1 Kontext adds its condition images."""
         self._latent_hw(height, width, num_frames)  # num_frames must be 1
+        self._require_no_images(images)
         cfg = negative_prompts is not None and self.wants_negative(guidance_scale, true_cfg_scale)
         return dict(
             prompt=list(prompts),
@@ -212,6 +214,8 @@ class FluxAdapter(ModelAdapter):
         img_ids = self.pipe._prepare_latent_image_ids(rows, h // 2, w // 2, self.device, self.dtype)
         # encode_prompt's text ids: zeros [L, 3] (all text tokens share position 0).
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        tokens = hidden.shape[1]
+        hidden, img_ids = self._with_condition(hidden, img_ids, cond, do_cfg)
 
         out = self.run_transformer(
             hidden_states=hidden,
@@ -222,11 +226,19 @@ class FluxAdapter(ModelAdapter):
             txt_ids=txt_ids,
             img_ids=img_ids,
             return_dict=False,
-        )[0].float()
+        )[0][:, :tokens].float()
         if not do_cfg:
             return out
         v_uncond, v_cond = out.chunk(2)
         return v_uncond + true_cfg_scale * (v_cond - v_uncond)
+
+    def _with_condition(
+        self, hidden: torch.Tensor, img_ids: torch.Tensor, cond: PromptEmbeds, cfg: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's image tokens and their position ids: the noisy latents only (FLUX.1
+        text-to-image). FLUX.1 Kontext appends its condition tokens here; the velocity is read off
+        the first `image_seq_len` output tokens either way."""
+        return hidden, img_ids
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """Packed latents -> uint8 [B, 3, H, W]: unpack, undo scaling/shift, VAE decode (as the pipeline)."""
@@ -240,11 +252,13 @@ class FluxAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------------------ facts
     def flops_per_forward(
-        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1, cond_tokens: int = 0
     ) -> float:
         """2·MACs of every linear and of attention (QK^T, AV) in one `FluxTransformer2DModel` forward.
 
-        D = heads·head_dim, N_i image tokens, N_t text tokens, N = N_i + N_t. Per sample:
+        D = heads·head_dim, N_i image tokens (the noisy latents' plus `cond_tokens` condition-image
+        tokens: FLUX.1 Kontext runs them through every image-stream weight and proj_out as well), N_t
+        text tokens, N = N_i + N_t. Per sample:
           double-stream block: each stream's weights on its own tokens (q,k,v,out 4D², MLP 8D²
             per token) -> 12·(N_i + N_t)·D², joint attention 2·N²·D, AdaLN 2 x D·6D;
           single-stream block: all N tokens through q,k,v (3D²), proj_mlp (4D²) and the fused
@@ -255,7 +269,7 @@ class FluxAdapter(ModelAdapter):
         """
         cfg = self.transformer.config
         dim = cfg.num_attention_heads * cfg.attention_head_dim
-        n_img = self.image_seq_len(height, width, num_frames)
+        n_img = self.image_seq_len(height, width, num_frames) + cond_tokens
         n_txt = text_len
         n_all = n_img + n_txt
         out_channels = cfg.patch_size**2 * (cfg.out_channels or cfg.in_channels)
@@ -281,7 +295,15 @@ def _as_list(prompts: Sequence[str], name: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- tiny builder
 def build_tiny(path: Path, seed: int = 0) -> Path:
-    """Write a tiny random FLUX.1-dev-shaped pipeline (guidance-distilled) to `path`.
+    """Write a tiny random FLUX.1-dev-shaped pipeline (guidance-distilled) to `path` (`tiny_pipeline`)."""
+    path = Path(path)
+    tiny_pipeline(seed).save_pretrained(path)
+    return path
+
+
+def tiny_pipeline(seed: int = 0, pipeline_class_name: str = "FluxPipeline"):
+    """A tiny random FLUX.1-dev-shaped pipeline (guidance-distilled) of `pipeline_class_name`
+    (FluxPipeline, or FluxKontextPipeline: the same components).
 
     Real classes at small sizes: `FluxTransformer2DModel` (2 double + 2 single blocks, D = 32,
     guidance embedding on, 16 latent channels -> 64 packed), `AutoencoderKL` with FLUX's 16 latent
@@ -289,12 +311,12 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     and `T5EncoderModel` text encoders with tokenizers built locally, and FLUX.1-dev's scheduler
     config. 32x32 images give 4 image tokens, 64x64 give 16.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from diffrl.models import tiny_text
 
-    path = Path(path)
     clip_tok = tiny_text.clip_tokenizer()
     t5_tok = tiny_text.t5_tokenizer()
     text_dim, t5_dim = 32, 32
@@ -337,7 +359,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
             guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         )
-    pipe = FluxPipeline(
+    return getattr(diffusers, pipeline_class_name)(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG),
         vae=vae.eval(),
         text_encoder=text_encoder.eval(),
@@ -346,5 +368,3 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
         tokenizer_2=t5_tok,
         transformer=transformer.eval(),
     )
-    pipe.save_pretrained(path)
-    return path

@@ -90,6 +90,9 @@ class QwenImageAdapter(ModelAdapter):
         "txt_mlp.net.2",
     )
 
+    #: Transformer variant flags this family's pipeline drives (the others are other pipelines').
+    variant_flags: tuple[str, ...] = ()
+
     def __init__(self, pipe: QwenImagePipeline, device: torch.device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
         config = pipe.transformer.config
@@ -98,10 +101,16 @@ class QwenImageAdapter(ModelAdapter):
                 "this Qwen-Image transformer has guidance_embeds=True (a guidance-distilled variant); "
                 "diffrl's Qwen-Image adapter samples with true CFG only: use a checkpoint with guidance_embeds=False"
             )
-        if config.zero_cond_t or config.use_additional_t_cond or config.use_layer3d_rope:
+        flags = [
+            f
+            for f in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+            if config.get(f) and f not in self.variant_flags
+        ]
+        if flags:
             raise ValueError(
-                "this Qwen-Image transformer uses zero_cond_t / use_additional_t_cond / use_layer3d_rope "
-                "(edit or layered variants), which QwenImagePipeline (text-to-image) does not drive"
+                f"this Qwen-Image transformer uses {' / '.join(flags)} (edit or layered variants), which "
+                f"{self.pipeline_class_name} does not drive: load the model directory its model_index.json "
+                "pipeline class belongs to"
             )
 
     # ------------------------------------------------------------------------------ text
@@ -213,10 +222,13 @@ class QwenImageAdapter(ModelAdapter):
         width: int,
         num_frames: int,
         max_sequence_length: int,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> dict[str, Any]:
         """The `QwenImagePipeline` call of these settings: true CFG with our negatives, or
         `true_cfg_scale=1` (the pipeline's default is 4, on); `guidance_scale` is not passed (this
-        adapter ignores it, as the pipeline does for a model without a guidance embedding)."""
+        adapter ignores it, as the pipeline does for a model without a guidance embedding). The
+        edit pipelines add their condition images."""
+        self._require_no_images(images)
         if num_frames != 1:
             raise ValueError(f"Qwen-Image generates images: num_frames must be 1; got {num_frames}")
         cfg = negative_prompts is not None and self.wants_negative(guidance_scale, true_cfg_scale)
@@ -264,16 +276,18 @@ class QwenImageAdapter(ModelAdapter):
             timestep = torch.cat([timestep, timestep])
         else:
             encoder_hidden_states, encoder_mask = cond.embeds, cond.mask
+        tokens = hidden_states.shape[1]
+        hidden_states, img_shapes = self._with_condition(hidden_states, [(1, h // 2, w // 2)], cond, do_cfg)
         noise_pred = self.run_transformer(
             hidden_states=hidden_states,
             timestep=timestep / 1000,
             guidance=None,
             encoder_hidden_states_mask=None if encoder_mask is None else encoder_mask.to(self.device),
             encoder_hidden_states=encoder_hidden_states.to(self.device, self.dtype),
-            img_shapes=[[(1, h // 2, w // 2)]] * hidden_states.shape[0],
+            img_shapes=[img_shapes] * hidden_states.shape[0],
             attention_kwargs={},
             return_dict=False,
-        )[0].float()
+        )[0][:, :tokens].float()
         if not do_cfg:
             return noise_pred
         v_uncond, v_cond = noise_pred.chunk(2)
@@ -281,6 +295,19 @@ class QwenImageAdapter(ModelAdapter):
         cond_norm = torch.norm(v_cond, dim=-1, keepdim=True)
         combined_norm = torch.norm(combined, dim=-1, keepdim=True)
         return combined * (cond_norm / combined_norm)
+
+    def _with_condition(
+        self,
+        hidden_states: torch.Tensor,
+        img_shapes: list[tuple[int, int, int]],
+        cond: PromptEmbeds,
+        cfg: bool,
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The transformer's image tokens and `img_shapes` entry (one (frames, rows, columns) grid
+        per image, which sets the RoPE positions): the noisy latents only (text-to-image). The edit
+        families append their condition tokens and grids here; the velocity is read off the first
+        `image_seq_len` output tokens either way."""
+        return hidden_states, img_shapes
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """Packed latents -> uint8 [B, 3, H, W], exactly as the pipeline's `output_type != "latent"` path."""
@@ -302,11 +329,13 @@ class QwenImageAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------------------ facts
     def flops_per_forward(
-        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1, cond_tokens: int = 0
     ) -> float:
         """2·MACs of one transformer forward over `batch` samples (a CFG pair counts as 2).
 
-        Per sample, with D = heads·head_dim, N image tokens, T text tokens (padded length):
+        Per sample, with D = heads·head_dim, N image tokens (the noisy latents' plus `cond_tokens`
+        condition-image tokens of the edit families, which go through the same image-stream
+        weights), T text tokens (padded length):
           embeddings: N·C_in·D (img_in) + T·D_txt·D (txt_in) + 256·D + D² (timestep MLP)
           per dual-stream block: 2·6D² (img_mod, txt_mod on the time embedding)
             + (N + T)·4D² (q, k, v, out: each stream's own weights on its own tokens)
@@ -317,7 +346,7 @@ class QwenImageAdapter(ModelAdapter):
         """
         config = self.transformer.config
         dim = config.num_attention_heads * config.attention_head_dim
-        n = self.image_seq_len(height, width, num_frames)
+        n = self.image_seq_len(height, width, num_frames) + cond_tokens
         t = text_len
         tokens = n + t
         macs = n * config.in_channels * dim + t * config.joint_attention_dim * dim + 256 * dim + dim * dim
@@ -383,12 +412,13 @@ _TINY_CORPUS_WORDS = (
 )
 
 
-def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int):
+def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int, vocab_size: int = _TINY_VOCAB_SIZE):
     """A byte-level BPE `Qwen2Tokenizer` built offline with the `tokenizers` library.
 
-    Trained on the pipeline's prompt template (so that the template's prefix, up to the prompt, is
-    `template_start_idx` tokens, 34 like the real tokenizer's, and the pipeline's
-    `prompt_template_encode_start_idx` drops exactly the template) plus a few common words. The
+    Trained on the pipeline's prompt template (so that the template's prefix, up to the prompt or,
+    in the edit templates, up to the image, is `template_start_idx` tokens, 34 (64 for the edit
+    templates) like the real tokenizer's, and the pipeline's `prompt_template_encode_start_idx`
+    drops exactly the template's system part) plus a few common words, to `vocab_size` tokens. The
     pre-tokenizer (Qwen2's regex split + byte level), normaliser (NFC) and decoder are the ones
     `Qwen2Tokenizer` sets itself; <|im_start|> / <|im_end|> and the other Qwen2.5-VL special
     tokens are special tokens, <|endoftext|> pads.
@@ -406,7 +436,7 @@ def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int):
         ]
     )
     trainer = trainers.BpeTrainer(
-        vocab_size=_TINY_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -420,7 +450,8 @@ def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int):
         merges=[tuple(pair) for pair in model["merges"]],
         additional_special_tokens=list(_SPECIAL_TOKENS[1:]),
     )
-    prefix_len = len(tokenizer(prompt_template.split("{}")[0]).input_ids)
+    prefix = prompt_template.split("{}")[0].split("<|vision_start|>")[0]
+    prefix_len = len(tokenizer(prefix).input_ids)
     if prefix_len != template_start_idx:
         raise AssertionError(
             f"the tiny tokenizer splits the prompt template's prefix into {prefix_len} tokens; "
@@ -439,9 +470,25 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     `tiny_qwen2_tokenizer` on the pipeline's own template. Scheduler: the real config.
     Deterministic from `seed`; about 1 MB.
     """
+    pipe = tiny_pipeline(QwenImagePipeline, seed)
+    pipe.save_pretrained(path)
+    return Path(path)
+
+
+def tiny_pipeline(
+    pipeline_class: type,
+    seed: int,
+    vocab_size: int = _TINY_VOCAB_SIZE,
+    vae_base_dim: int = 8,
+    **components: Any,
+):
+    """A tiny random pipeline of `pipeline_class` (Qwen-Image or one of its edit pipelines), its
+    tokenizer and text encoder built for the class's own prompt template (`build_tiny`);
+    `vae_base_dim` the VAE's first width (the edit pipelines encode ~1 MP condition images, which a
+    narrower VAE does faster on a CPU); `components` further pipeline components (the edit
+    pipelines' processor, given as a function of the tokenizer)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    path = Path(path)
     text_dim = 32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -456,7 +503,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
             axes_dims_rope=(4, 6, 6),
         )
         vae = AutoencoderKLQwenImage(
-            base_dim=8,
+            base_dim=vae_base_dim,
             z_dim=16,
             dim_mult=[1, 2, 2, 2],
             num_res_blocks=1,
@@ -464,14 +511,17 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
         )
         # The prompt template and its prefix length live on pipeline instances (set in __init__):
         # build the pipeline first, then the tokenizer and text encoder that must agree with them.
-        pipe = QwenImagePipeline(
+        pipe = pipeline_class(
             scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
             vae=vae,
             text_encoder=None,
             tokenizer=None,
             transformer=transformer,
+            **dict.fromkeys(components),
         )
-        tokenizer = tiny_qwen2_tokenizer(pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx)
+        tokenizer = tiny_qwen2_tokenizer(
+            pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx, vocab_size
+        )
         ids = tokenizer.convert_tokens_to_ids
         encoder_config = Qwen2_5_VLConfig(
             text_config={
@@ -505,6 +555,9 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
             vision_end_token_id=ids("<|vision_end|>"),
         )
         text_encoder = Qwen2_5_VLForConditionalGeneration(encoder_config).eval()
-    pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer)
-    pipe.save_pretrained(path)
-    return path
+    pipe.register_modules(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        **{name: make(tokenizer) for name, make in components.items()},
+    )
+    return pipe

@@ -213,7 +213,7 @@ class SD3Adapter(ModelAdapter):
 
     # ------------------------------------------------------------------------------ facts
     def flops_per_forward(
-        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1, cond_tokens: int = 0
     ) -> float:
         """2·MACs of one `SD3Transformer2DModel` forward over `batch` samples.
 

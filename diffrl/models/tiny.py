@@ -3,7 +3,8 @@
 Tests and CPU demos load them through the same `from_pretrained` path as real checkpoints, so
 the real loading code runs. Each family module defines `build_tiny(path, seed=0) -> Path`, which
 writes a deterministic (from `seed`) pipeline directory: a few-layer transformer, a tiny VAE, tiny
-text encoders and tokenizers built locally.
+text encoders and tokenizers built locally (`TINY_BUILDERS` names "module" for its `build_tiny`, or
+"module:function" where a module builds several families).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ TINY_BUILDERS: dict[str, str] = {
     "sd3": "diffrl.models.sd3",
     "flux": "diffrl.models.flux",
     "qwen_image": "diffrl.models.qwen_image",
+    "qwen_image_edit": "diffrl.models.qwen_image_edit",
+    "qwen_image_edit_plus": "diffrl.models.qwen_image_edit:build_tiny_plus",
+    "flux_kontext": "diffrl.models.flux_kontext",
     "wan": "diffrl.models.wan",
     "toy": "diffrl.toy.model",  # the shapes world's model, untrained (`diffrl sft` trains it)
 }
@@ -46,4 +50,5 @@ def build_tiny(family: str, path: str | Path, seed: int = 0) -> Path:
     """Write a tiny random `family` pipeline to `path` and return it."""
     if family not in TINY_BUILDERS:
         raise ValueError(f"unknown family {family!r}; tiny builders exist for {', '.join(TINY_BUILDERS)}")
-    return importlib.import_module(TINY_BUILDERS[family]).build_tiny(Path(path), seed=seed)
+    module, _, function = TINY_BUILDERS[family].partition(":")
+    return getattr(importlib.import_module(module), function or "build_tiny")(Path(path), seed=seed)

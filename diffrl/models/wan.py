@@ -203,7 +203,7 @@ class WanAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------------------ facts
     def flops_per_forward(
-        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1
+        self, batch: int, height: int, width: int, text_len: int, num_frames: int = 1, cond_tokens: int = 0
     ) -> float:
         """2·MACs of one `WanTransformer3DModel` forward over `batch` samples.
 

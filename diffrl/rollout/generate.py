@@ -1,5 +1,6 @@
 """`diffrl sample`: generate images or videos from a model directory (optionally with an exported
-LoRA), written to a folder."""
+LoRA), written to a folder. Image-edit models take the image(s) to edit with `--image PATH`, the
+same for every prompt, checked against the family's rules before the model loads."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 from PIL import Image
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
+from diffrl.data.images import ConditionImage, read_condition_image
 from diffrl.files import check_output_dir
-from diffrl.models import load_model, resolve_model_path
+from diffrl.models import adapter_class, load_model, read_model_index, resolve_model_path
 from diffrl.models.base import ModelAdapter
 from diffrl.models.bounds import check_model_bounds
+from diffrl.models.conditions import check_condition_rows
 from diffrl.models.sampling import GENERIC, ImageGeometry, resolve_sampling
 from diffrl.rollout import TrajectorySampler
 from diffrl.telemetry.images import save_gif
@@ -139,6 +142,35 @@ def check_prompts(prompts: Sequence[str], grammar: str | None, model: str | Mode
                 ) from None
 
 
+def condition_images(model: str | ModelAdapter, paths: Sequence[str | Path]) -> tuple[ConditionImage, ...]:
+    """`--image PATH` values, read and checked against the model family's rules on condition
+    images (`diffrl.models.conditions`) before the model loads: none for a text-to-image model,
+    the family's count for an edit model."""
+    family = (
+        type(model)
+        if isinstance(model, ModelAdapter)
+        else adapter_class(read_model_index(model)["_class_name"])
+    )
+    rule = family.condition_rule
+    if rule is None:
+        if paths:
+            raise ValueError(
+                f"--image: the model {str(model)!r} ({family.pipeline_class_name}) generates from text only and "
+                "takes no condition image: leave --image out, or sample an image-edit model (docs/models.md)"
+            )
+        return ()
+    if not paths:
+        raise ValueError(
+            f"the model {str(model)!r} ({family.pipeline_class_name}) edits images: give the image to edit with "
+            f"--image PATH ({rule.count_text()})"
+        )
+    images = tuple(read_condition_image(str(p), Path.cwd(), f"--image {p}", "--image") for p in paths)
+    check_condition_rows(
+        rule, [("--image", [(i.name, i.width, i.height) for i in images])], "--image", "--image"
+    )
+    return images
+
+
 def generate(
     model: str | ModelAdapter,
     prompts: Sequence[str],
@@ -160,6 +192,7 @@ def generate(
     fps: int = 16,
     lora: str | Path | None = None,
     lora_scale: float = 1.0,
+    images: Sequence[str | Path] = (),
 ) -> list[Path]:
     """Sample `n` images (or videos) per prompt and write them with a manifest, samples.jsonl.
 
@@ -169,8 +202,9 @@ def generate(
     loaded on top of the model. Sampler settings left at None come from the LoRA's or the model's
     diffrl_sampling.json, else the generic defaults (`sampling_settings`). The device, the LoRA
     directory, the image size, the steps and text length against the model directory's bounds
-    (`diffrl.models.bounds`) and, for a model trained on a prompt grammar, the prompts are checked
-    before the model loads.
+    (`diffrl.models.bounds`), for a model trained on a prompt grammar the prompts, and for an
+    image-edit model the condition `images` (files, the same for every prompt) are checked before
+    the model loads.
     """
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
@@ -185,6 +219,7 @@ def generate(
     )
     settings, _ = sampling_settings(model, lora, given)
     check_prompts(prompts, settings["prompt_grammar"], model)
+    conditions = condition_images(model, images)
     lora_dir = check_lora_dir(lora) if lora is not None else None
     check_output_dir(out_dir, "--out")
     if isinstance(model, ModelAdapter):
@@ -215,7 +250,9 @@ def generate(
     )
     cfg.pipeline.validate("sample")
     cfg.val.validate("sample")
-    rollout = TrajectorySampler(adapter, cfg).sample_validation(list(prompts))
+    rollout = TrajectorySampler(adapter, cfg).sample_validation(
+        list(prompts), images=[conditions] * len(prompts) if conditions else None
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,6 +272,7 @@ def generate(
                         "seed": seed,
                         "sample": b % n,
                         **{key: settings[key] for key in GENERIC},
+                        **({"images": [str(p) for p in images]} if conditions else {}),
                         **({"lora": str(lora_dir), "lora_scale": lora_scale} if lora_dir else {}),
                     }
                 )

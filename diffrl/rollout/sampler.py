@@ -9,6 +9,11 @@ the initial noise comes from the prompt group's own generator instead, the same 
 
 The trainer re-evaluates the stored steps with `diffrl.transition.evaluate_step`, through the same
 adapter call and the same step function.
+
+Image-edit families take each prompt's condition images (`images`, one row per prompt): they are
+encoded with the prompt, once per distinct (prompt, negative, images), into the conditioning table
+(`PromptEmbeds.cond_latents`), which the rollout carries to the trainer: its recomputation sees the
+very latents the sampler saw.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from diffrl import sde
 from diffrl.config.schema import RolloutConfig
+from diffrl.data.images import ConditionImage
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.rollout.window import window_start
 from diffrl.seeding import GROUP_NOISE_STREAM, NOISE_STREAM, generator
 from diffrl.transition import Rollout, RolloutSettings, Trajectories
 
 OnDecoded = Callable[[Trajectories], None]
+#: Each prompt's condition images (image-edit families), one row per prompt.
+ImageRows = Sequence[Sequence[ConditionImage]]
 
 
 class TrajectorySampler:
@@ -72,13 +80,15 @@ class TrajectorySampler:
         negative_prompts: Sequence[str] | None = None,
         on_decoded: OnDecoded | None = None,
         sample_offset: int = 0,
+        images: ImageRows | None = None,
     ) -> Rollout:
         """A training rollout: `rollout.n` SDE-window trajectories per prompt.
 
         `on_decoded` is called with each micro-batch's trajectories as soon as its pixels exist,
         so rewards can score them while the next micro-batch samples. `sample_offset` is the index
         of this call's first sample within the whole step, when workers share a step's prompts:
-        sample indices key the noise, so they must be global.
+        sample indices key the noise, so they must be global. `images`: each prompt's condition
+        images (image-edit families; module docstring).
         """
         pipe = self.cfg.pipeline
         return self._run(
@@ -97,6 +107,7 @@ class TrajectorySampler:
             sample_offset=sample_offset,
             same_group_noise=self.cfg.same_group_noise,
             as_trained=True,
+            images=images,
         )
 
     def sample_validation(
@@ -107,6 +118,7 @@ class TrajectorySampler:
         metadata: Sequence[dict[str, Any]] | None = None,
         negative_prompts: Sequence[str] | None = None,
         sample_offset: int = 0,
+        images: ImageRows | None = None,
     ) -> Rollout:
         """A validation rollout: `rollout.val.n` samples per prompt with the fixed validation seed.
 
@@ -131,22 +143,36 @@ class TrajectorySampler:
             sample_offset=sample_offset,
             same_group_noise=False,  # validation samples of a prompt stay independent
             as_trained=False,  # nothing re-evaluates validation log-probs
+            images=images,
         )
 
     # ------------------------------------------------------------------------------ internals
     def encode(
-        self, prompts: Sequence[str], negative_prompts: Sequence[str] | None, chunk: int | None = None
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        chunk: int | None = None,
+        images: ImageRows | None = None,
     ) -> PromptEmbeds:
-        """Encode each distinct (prompt, negative) pair once; rows follow `prompts`.
+        """Encode each distinct (prompt, negative[, condition images]) once; rows follow `prompts`.
 
         `chunk`: encode the new pairs of `chunk` consecutive prompts at a time (the groups of one
         sampler micro-batch), so a prompt's conditioning is computed in the same batch however a
         step's prompts are split among workers or replicas (the batch size changes float rounding).
+        `images` (image-edit families): each prompt's condition images, opened here and encoded
+        with it (`ModelAdapter.encode_conditioned`); an image is keyed by its file or its bytes.
         """
         negatives = list(negative_prompts) if negative_prompts is not None else [None] * len(prompts)
-        keys = list(zip(prompts, negatives, strict=True))
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"got {len(images)} rows of condition images for {len(prompts)} prompts")
+        rows = [tuple(r) for r in images] if images is not None else [()] * len(prompts)
+        keys = [
+            (p, n, tuple(image.key for image in r)) for p, n, r in zip(prompts, negatives, rows, strict=True)
+        ]
+        by_key = {key: r for key, r in zip(keys, rows, strict=True)}
         chunk = chunk or max(1, len(keys))
         row: dict[tuple, int] = {}
+        loaded: dict[str, Any] = {}  # each image opened once: an adapter encodes one image object once
         tables = []
         for start in range(0, len(keys), chunk):
             new = list(dict.fromkeys(k for k in keys[start : start + chunk] if k not in row))
@@ -155,13 +181,14 @@ class TrajectorySampler:
             for key in new:
                 row[key] = len(row)
             self.encode_calls += len(new)
-            tables.append(
-                self.adapter.encode_prompts(
-                    [p for p, _ in new],
-                    [n for _, n in new] if negative_prompts is not None else None,
-                    self.cfg.pipeline.max_sequence_length,
-                )
-            )
+            texts = [p for p, _, _ in new]
+            negative_texts = [n for _, n, _ in new] if negative_prompts is not None else None
+            max_length = self.cfg.pipeline.max_sequence_length
+            if images is None:
+                tables.append(self.adapter.encode_prompts(texts, negative_texts, max_length))
+            else:
+                opened = [[_opened(image, loaded) for image in by_key[key]] for key in new]
+                tables.append(self.adapter.encode_conditioned(texts, negative_texts, max_length, opened))
         embeds = tables[0] if len(tables) == 1 else PromptEmbeds.cat_padded(tables)
         order = [row[k] for k in keys]
         if order == list(range(len(order))):
@@ -186,6 +213,7 @@ class TrajectorySampler:
         sample_offset: int,
         same_group_noise: bool,
         as_trained: bool,
+        images: ImageRows | None = None,
     ) -> Rollout:
         prompts = list(prompts)
         if not prompts:
@@ -203,7 +231,7 @@ class TrajectorySampler:
             negative_prompts = [pipe.negative_prompt] * len(prompts)
         micro = self.cfg.micro_batch_size
         with torch.no_grad():
-            prompt_embeds = self.encode(prompts, negative_prompts, chunk=max(1, micro // n))
+            prompt_embeds = self.encode(prompts, negative_prompts, chunk=max(1, micro // n), images=images)
         schedule = adapter.schedule(num_steps, **size)
         sigmas = schedule.sigmas.to(adapter.device)
         timesteps = schedule.timesteps.to(adapter.device)
@@ -335,6 +363,13 @@ class TrajectorySampler:
             transient=True,
             disable=not self.progress,
         )
+
+
+def _opened(image: ConditionImage, loaded: dict[str, Any]) -> Any:
+    """`image` decoded, once per key into `loaded`."""
+    if image.key not in loaded:
+        loaded[image.key] = image.load()
+    return loaded[image.key]
 
 
 def _cat_steps(parts: list[sde.StepOut]) -> sde.StepOut:

@@ -139,18 +139,20 @@ def phase_flops(
     text_len: int,
     recompute_old: bool,
     trains_base_weights: bool,
+    cond_tokens: int = 0,
 ) -> dict[str, float]:
     """Model FLOPs of one policy-gradient step's phases for `images` trajectories (all workers).
 
     gen: every denoising step; old_log_prob / ref: a forward per window step; update_actor: a
     forward and a backward per window step and epoch (2× forward with frozen base weights under
     LoRA, 3× when the base weights train too). CFG doubles every forward when it is on; `text_len`
-    is the prompt embeddings' token count.
+    is the prompt embeddings' token count, `cond_tokens` the condition-image tokens per sample
+    (image-edit families).
     """
     pipe = cfg.rollout.pipeline
     cfg_factor = 2 if adapter.wants_negative(pipe.guidance_scale, pipe.true_cfg_scale) else 1
     forward = adapter.flops_per_forward(
-        images * cfg_factor, pipe.height, pipe.width, text_len, pipe.num_frames
+        images * cfg_factor, pipe.height, pipe.width, text_len, pipe.num_frames, cond_tokens=cond_tokens
     )
     backward = 2.0 if trains_base_weights else 1.0
     flops = {

@@ -277,9 +277,17 @@ class ExportResult:
     base_model: str  # the run's model.path: what the LoRA goes on top of
     example_prompt: str = "a photo of a cat"  # for the `diffrl sample` command printed
 
+    @property
+    def edits_images(self) -> bool:
+        """Whether the base model is an image-edit model (its `diffrl sample` needs --image)."""
+        from diffrl.models import adapter_class, read_model_index
+
+        return adapter_class(read_model_index(self.base_model)["_class_name"]).condition_rule is not None
+
     def sample_command(self) -> str:
-        """A `diffrl sample` command that works as printed: the sampler settings come from the
-        export's diffrl_sampling.json (the run's validation sampler)."""
+        """A `diffrl sample` command that works as printed (an edit model's once IMAGE names the
+        image to edit): the sampler settings come from the export's diffrl_sampling.json (the
+        run's validation sampler)."""
         samples = self.out.parent / "samples"
         model = ["--model", str(self.out)] if self.kind == "pipeline" else ["--model", self.base_model]
         lora = ["--lora", str(self.out)] if self.kind == "lora" else []
@@ -288,8 +296,9 @@ class ExportResult:
             "sample",
             *model,
             *lora,
+            *(["--image", "IMAGE"] if self.edits_images else []),
             "--prompt",
-            self.example_prompt,
+            self.example_prompt if not self.edits_images else "make it blue",
             "-n",
             "4",
             "--out",
@@ -308,6 +317,7 @@ class ExportResult:
             f"exported {what} of {self.source} to {self.out}\n"
             f"  load it in diffusers: {load}\n"
             f"  or sample from it:    {self.sample_command()}"
+            + ("  (IMAGE: the image to edit)" if self.edits_images else "")
         )
 
 

@@ -104,8 +104,16 @@ class PairBatch:
 
 
 def conditional(cond: PromptEmbeds) -> PromptEmbeds:
-    """The rows without their CFG negatives: the velocity is then the conditional one."""
-    return PromptEmbeds(embeds=cond.embeds, mask=cond.mask, pooled=cond.pooled, batch_size=cond.batch_size)
+    """The rows without their CFG negatives: the velocity is then the conditional one (an edit
+    family's condition latents stay: they are the conditioning, not a CFG side)."""
+    return PromptEmbeds(
+        embeds=cond.embeds,
+        mask=cond.mask,
+        pooled=cond.pooled,
+        cond_latents=cond.cond_latents,
+        cond_shapes=cond.cond_shapes,
+        batch_size=cond.batch_size,
+    )
 
 
 # ------------------------------------------------------------------------------------ network

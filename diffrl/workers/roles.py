@@ -94,6 +94,7 @@ class ActorWorker:
         # Ulysses SP (None at size 1): attached only while training, so the module samples without it
         self._sequence_parallel = for_training(adapter, cfg)
         self._text_len = 0
+        self._cond_tokens = 0
         self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
         # rank 0, bounded staleness: weight versions copied for the replicas, not yet sent to them
         self._snapshots: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -106,8 +107,9 @@ class ActorWorker:
     def forward_backward(
         self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
     ):
-        if micro_batches:  # the prompt length this step trains with, for `phase_flops`
+        if micro_batches:  # the prompt length (and condition tokens) this step trains with, for `phase_flops`
             self._text_len = micro_batches[0].rollout.prompt_embeds.embeds.shape[1]
+            self._cond_tokens = micro_batches[0].rollout.prompt_embeds.cond_tokens
         sp = self._sequence_parallel
         with sp.active() if sp is not None else nullcontext():
             return self.engine.forward_backward(
@@ -298,7 +300,7 @@ class ActorWorker:
 
     def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
         """Model FLOPs of one step's phases (`diffrl.telemetry.perf.phase_flops`), with the prompt
-        length of this worker's last training micro-batch."""
+        length and condition-image tokens of this worker's last training micro-batch."""
         from diffrl.telemetry.perf import phase_flops
 
         return phase_flops(
@@ -307,6 +309,7 @@ class ActorWorker:
             images=images,
             window=window,
             text_len=self._text_len,
+            cond_tokens=self._cond_tokens,
             recompute_old=recompute_old,
             trains_base_weights=not self.engine.lora,
         )

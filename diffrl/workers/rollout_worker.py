@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from diffrl.config.schema import Config
+from diffrl.data.images import ConditionImage
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
@@ -37,6 +38,8 @@ class PromptShard:
     metadata: list[dict[str, Any]]
     negative_prompts: list[str] | None
     sample_offset: int
+    #: Each prompt's condition images (image-edit families); None for text-only prompts.
+    images: list[tuple[ConditionImage, ...]] | None = None
 
 
 def worker_device() -> torch.device:
@@ -112,9 +115,12 @@ class RolloutWorker:
         step: int,
         uids: Sequence[str] | None = None,
         metadata: Sequence[dict[str, Any]] | None = None,
+        images: Sequence[tuple[ConditionImage, ...]] | None = None,
     ) -> Rollout:
         with torch.no_grad(), self._use_policy(POLICY):
-            return self.sampler.sample(prompts, seed=seed, step=step, uids=uids, metadata=metadata)
+            return self.sampler.sample(
+                prompts, seed=seed, step=step, uids=uids, metadata=metadata, images=images
+            )
 
     def sample_and_score(
         self,
@@ -213,6 +219,7 @@ class RolloutWorker:
                 negative_prompts=shard.negative_prompts,
                 on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
                 sample_offset=shard.sample_offset,
+                images=shard.images,
             )
         rollout = rollout.to("cpu")
         rollout.extras["reward_handles"] = handles
@@ -228,6 +235,7 @@ class RolloutWorker:
                 metadata=shard.metadata,
                 negative_prompts=shard.negative_prompts,
                 sample_offset=shard.sample_offset,
+                images=shard.images,
             ).to("cpu")
         handles: list[Any] = []
         _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)

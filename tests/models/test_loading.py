@@ -24,7 +24,9 @@ def test_directory_without_model_index(tmp_path):
 def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(
-        ValueError, match=r"StableDiffusionXLPipeline.*supported: FluxPipeline, QwenImagePipeline"
+        ValueError,
+        match=r"StableDiffusionXLPipeline.*supported: FluxKontextPipeline, FluxPipeline, QwenImageEditPipeline, "
+        r"QwenImageEditPlusPipeline, QwenImagePipeline",
     ):
         load_model(tmp_path)
 
