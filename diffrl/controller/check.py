@@ -108,7 +108,7 @@ def _in_process(
         )
         if log_probs:
             rows += _log_prob_rows(cfg, group, sample=worker.sample, recompute=worker.log_probs)
-        rows += reward_rows(cfg, ode)
+        rows += reward_rows(cfg, ode, _images(records))
         if quick:
             rows.append(skipped("memory", "--quick leaves out the micro-batches at the preset's sizes"))
         else:

@@ -32,12 +32,15 @@ from diffrl.transition import Rollout
 MEMORY_HEADROOM = 0.9
 
 
-def reward_rows(cfg: Config, rollout: Rollout) -> list[CheckRow]:
-    """Each reward on the sampler's decoded samples, as `required` (so a failure shows its cause)."""
+def reward_rows(cfg: Config, rollout: Rollout, images: Sequence[Sequence[Any]] | None = None) -> list[CheckRow]:
+    """Each reward on the sampler's decoded samples, as `required` (so a failure shows its cause).
+    `images`: the prompts' condition images (image-edit families), each sample's given to the
+    rewards as its `sources`, as the run's reward workers get them."""
     if not cfg.reward.functions:
         return [skipped("reward", "reward.functions is empty (offline DPO trains without rewards)")]
     rows = []
     pixels, prompts, metadata = rollout.samples.pixels, rollout.sample_prompts(), rollout.sample_metadata()
+    sources = None if images is None else [images[i] for i in rollout.samples.prompt_index_B.tolist()]
     batch = int(pixels.shape[0])
     for spec in reward_specs(cfg.reward.functions):
         name = f"reward {spec.name}"
@@ -46,7 +49,7 @@ def reward_rows(cfg: Config, rollout: Rollout) -> list[CheckRow]:
             # a remote scorer's deadline for one attempt (`HttpReward.timeout`)
             deadline = reward.rewards[spec.name].timeout if base_name(spec.name) == "http" else None
             start = time.perf_counter()
-            scores_B = reward(pixels, prompts, metadata).scores[spec.name]
+            scores_B = reward(pixels, prompts, metadata, sources).scores[spec.name]
         except Exception as err:  # a reward's own failure is this check's finding, not a crash
             cause = err.__cause__ or err
             rows.append(
@@ -255,7 +258,7 @@ class _Unscored:
     """The reward sink of the check's rollout on a replica: sampling hands each decoded micro-batch
     to `submit`; the weight-sync rows need no scores (the reward rows score the ODE samples)."""
 
-    def submit(self, pixels: Any, prompts: Any, metadata: Any) -> None:
+    def submit(self, pixels: Any, prompts: Any, metadata: Any, sources: Any = None) -> None:
         return None
 
 

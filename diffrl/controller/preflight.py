@@ -33,6 +33,7 @@ from diffrl.models.base import MODEL_DIR_FIX
 from diffrl.models.conditions import ConditionRow, check_condition_rows
 from diffrl.models.sampling import ImageGeometry
 from diffrl.rewards import reward_specs
+from diffrl.rewards.registry import spec_needs_sources
 
 BUILTIN_DATA = Path(__file__).resolve().parents[1] / "config" / "presets" / "data"
 #: Seconds the preflight waits for a remote scorer's /health before refusing to start.
@@ -72,6 +73,8 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
         )
     rule = adapter_class(index["_class_name"]).condition_rule
+    if rule is None and needs_rewards(cfg):
+        check_no_source_rewards(cfg, index["_class_name"])
     image_key = cfg.data.image_key if rule is not None else None  # read for edit models only
     train = load_prompts([data_path(p) for p in cfg.data.train_files], cfg.data.prompt_key, image_key)
     if not cfg.reward.functions:
@@ -84,6 +87,19 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
         check_condition_rows(rule, condition_rows(train), "data.train_files", cfg.data.image_key)
         check_condition_rows(rule, condition_rows(val), "data.val_files", cfg.data.image_key)
     return train, val
+
+
+def check_no_source_rewards(cfg: Config, family: str) -> None:
+    """A reward that compares each result with its source image (`edit_preservation`) needs an
+    image-edit model: with a text-to-image one it fails here, before any model loads."""
+    for spec in reward_specs(cfg.reward.functions):
+        if spec_needs_sources(spec.name):
+            raise ConfigError(
+                f"reward.functions.{spec.name} scores each result against its source image, and "
+                f"model.path={cfg.model.path!r} ({family}) takes no condition images, so there is none: "
+                "use an image-edit model (FLUX.1 Kontext, Qwen-Image-Edit) with prompt rows that carry "
+                f"their images (data.image_key), or remove it (reward.functions.{spec.name}=null)"
+            )
 
 
 def condition_rows(records: Sequence[PromptRecord]) -> list[ConditionRow]:

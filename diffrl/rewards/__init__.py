@@ -2,13 +2,13 @@
 
 Importing this package registers every built-in reward:
 `jpeg_compressibility`, `jpeg_incompressibility`, `ocr`, `shapes`, `clip_score`, `pickscore`, `aesthetic`,
-`http`, and `python` (a user's `module:function`). Model libraries (transformers, pytesseract)
+`edit_preservation` (image-edit runs), `http`, and `python` (a user's `module:function`). Model libraries (transformers, pytesseract)
 are imported only when a reward that needs them is built. See docs/rewards.md.
 """
 
 from typing import Any
 
-from diffrl.rewards import clip, jpeg, ocr, remote, shapes, user  # noqa: F401  (registration on import)
+from diffrl.rewards import clip, edit, jpeg, ocr, remote, shapes, user  # noqa: F401  (registration on import)
 from diffrl.rewards.base import ImageReward, Reward, RewardOutput, check_batch
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardError, RewardSpec, reward_specs
 from diffrl.rewards.registry import (

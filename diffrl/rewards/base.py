@@ -12,6 +12,22 @@ A reward is a callable
 - `RewardOutput.scores_B`: float32 `(B,)`, higher is better; `extras`: named per-sample tensors
   with a leading dimension B (an OCR edit distance, ...), logged alongside the scores.
 
+Image-edit runs also have each sample's source: the condition image(s) of its prompt row (the
+prompt is then the edit instruction). A reward whose call takes a keyword parameter named
+`sources` gets them (`takes_sources`):
+
+    reward(pixels, prompts, metadata, *, sources) -> RewardOutput
+
+- `sources`: B tuples, each the sample's condition images in row order as uint8 `[3, H', W']`
+  tensors at their own size (which may differ from the result's), or None when the run's
+  prompts carry no condition images (a text-to-image model). The samples of one prompt share the
+  very same tensors: read them, never write them.
+
+Every other reward is called as before, and the source images are not even decoded for it.
+Callers hand `call_reward` the rows as `ConditionImage`s (diffrl.data.images: a path or the
+encoded bytes, cheap to send to a reward worker) or tensors; `decode_sources` turns them into
+tensors in the scoring process, each distinct image once.
+
 Rewards that only need to look at single images subclass `ImageReward` and implement
 `score_images` on `[N, 3, H, W]` frames; videos are then scored frame by frame and each sample's
 score is the mean over its frames, so every image reward also works on video.
@@ -185,15 +201,108 @@ def call_reward(
     metadata: Sequence[Mapping[str, Any]],
     name: str,
     video_frames: int | None = None,
+    sources: Sequence[Sequence[Any]] | None = None,
 ) -> RewardOutput:
     """Call any reward (sync or async, strict or sloppy output) and return a checked output.
 
     video_frames: for videos, the reward sees only that many evenly spaced frames of each sample
     (`select_frames`); None = every frame. Images are passed as they are.
+    sources: each sample's condition images (module docstring), given to the reward as the
+    keyword `sources` only when it takes them (`takes_sources`; then None when there are none).
     """
     pixels = select_frames(pixels, video_frames)
-    result = resolve_awaitable(reward(pixels, list(prompts), list(metadata)))
-    return as_reward_output(result, int(pixels.shape[0]), name)
+    if takes_sources(reward):
+        rows = None if sources is None else decode_sources(sources, int(pixels.shape[0]))
+        result = reward(pixels, list(prompts), list(metadata), sources=rows)
+    else:
+        result = reward(pixels, list(prompts), list(metadata))
+    return as_reward_output(resolve_awaitable(result), int(pixels.shape[0]), name)
+
+
+# ------------------------------------------------------------------------------ source images
+#: The keyword through which a reward receives each sample's source (condition) images.
+SOURCES_PARAM = "sources"
+
+SourceRows = list[tuple["torch.Tensor", ...]]
+
+
+def takes_sources(reward: Any) -> bool:
+    """Whether `reward` is called with `sources=` (module docstring): its `takes_sources`
+    attribute when it has one (wrappers such as the `python` reward declare their target's), else
+    whether its call signature has a parameter named `sources`."""
+    declared = getattr(reward, "takes_sources", None)
+    if isinstance(declared, bool):
+        return declared
+    try:
+        params = inspect.signature(reward).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    param = params.get(SOURCES_PARAM)
+    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+
+
+def needs_sources(reward: Any) -> bool:
+    """Whether `reward` cannot score without sources: its `sources` parameter has no default."""
+    if not takes_sources(reward):
+        return False
+    declared = getattr(reward, "needs_sources", None)
+    if isinstance(declared, bool):
+        return declared
+    try:
+        param = inspect.signature(reward).parameters.get(SOURCES_PARAM)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def decode_sources(
+    rows: Sequence[Sequence[Any]], batch: int, cache: dict[Any, torch.Tensor] | None = None
+) -> SourceRows:
+    """B rows of source images as uint8 `[3, H, W]` tensors, each distinct image decoded once.
+
+    An item is a tensor (checked, passed as it is) or a `ConditionImage` (diffrl.data.images:
+    decoded with its `load()`, keyed by its file or bytes digest). `cache` (key -> tensor), when
+    given, is read and filled, so a caller scoring consecutive micro-batches of the same prompts
+    decodes each image once. Raises ValueError naming the sample and the item when a row is not
+    one of these.
+    """
+    if isinstance(rows, str | bytes) or len(rows) != batch:
+        raise ValueError(f"sources must be B={batch} rows (one per sample), got {_count(rows)}")
+    cache = {} if cache is None else cache
+    out: SourceRows = []
+    for i, row in enumerate(rows):
+        if isinstance(row, str | bytes) or not isinstance(row, Sequence):
+            raise ValueError(
+                f"sources[{i}] must be a tuple of the sample's source images, got {type(row).__name__}"
+            )
+        out.append(tuple(_source_tensor(item, cache, f"sources[{i}][{j}]") for j, item in enumerate(row)))
+    return out
+
+
+def _count(rows: Any) -> str:
+    try:
+        return f"{len(rows)} rows"
+    except TypeError:
+        return type(rows).__name__
+
+
+def _source_tensor(item: Any, cache: dict[Any, torch.Tensor], where: str) -> torch.Tensor:
+    if isinstance(item, torch.Tensor):
+        if item.dtype != torch.uint8 or item.ndim != 3 or item.shape[0] != 3:
+            raise ValueError(
+                f"{where} must be a uint8 [3, H, W] RGB image, got {item.dtype} of shape {tuple(item.shape)}"
+            )
+        return item
+    key = getattr(item, "key", None)
+    if key is None or not callable(getattr(item, "load", None)):
+        raise ValueError(
+            f"{where} must be a uint8 [3, H, W] tensor or a ConditionImage (diffrl.data.images), got "
+            f"{type(item).__name__}"
+        )
+    if key not in cache:
+        array_HW3 = np.asarray(item.load().convert("RGB"))
+        cache[key] = torch.from_numpy(array_HW3.transpose(2, 0, 1).copy())
+    return cache[key]
 
 
 # ------------------------------------------------------------------------------ frames / images

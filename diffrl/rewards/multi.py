@@ -36,7 +36,14 @@ import numpy as np
 
 from diffrl.algos.metrics import reward_metrics
 from diffrl.lazy import lazy_import
-from diffrl.rewards.base import Reward, call_reward, check_batch, check_video_frames
+from diffrl.rewards.base import (
+    Reward,
+    call_reward,
+    check_batch,
+    check_video_frames,
+    decode_sources,
+    takes_sources,
+)
 from diffrl.rewards.registry import build_reward, check_reward_spec, metric_name
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
@@ -194,24 +201,37 @@ class MultiReward:
             except Exception as err:
                 err.add_note(f"while building reward.functions.{spec.name} (args {dict(spec.args)})")
                 raise
+        #: Whether any reward reads the source images of an edit run (else they are never decoded).
+        self.takes_sources = any(takes_sources(r) for r in self.rewards.values())
+        # The source images the last micro-batch decoded: the samples of one prompt often span two
+        # consecutive micro-batches, and its image is then decoded once.
+        self._decoded: dict[Any, torch.Tensor] = {}
 
     def __call__(
         self,
         pixels: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[Any]] | None = None,
     ) -> RewardBatch:
-        """Score one micro-batch with every reward; see the module docstring for failures."""
+        """Score one micro-batch with every reward; see the module docstring for failures.
+
+        `sources`: each sample's condition images in an edit run (`ConditionImage`s or uint8
+        `[3, H, W]` tensors; diffrl.rewards.base), decoded here once each, only when a reward
+        reads them."""
         rows = check_batch(pixels, prompts, metadata)
         pixels = pixels.detach().cpu()
         batch = int(pixels.shape[0])
+        decoded: list | None = None  # the sources as tensors, once a reward that reads them asks
         total_B = torch.zeros(batch, dtype=torch.float32)
         scores, extras, failed, failed_batches, seconds = {}, {}, {}, {}, {}
         for spec in self.specs:
             start = time.perf_counter()
             try:
+                if decoded is None and sources is not None and takes_sources(self.rewards[spec.name]):
+                    decoded = self._decode(sources, batch)
                 output = call_reward(
-                    self.rewards[spec.name], pixels, prompts, rows, spec.name, spec.video_frames
+                    self.rewards[spec.name], pixels, prompts, rows, spec.name, spec.video_frames, decoded
                 )
             except Exception as err:
                 if spec.required:
@@ -240,3 +260,11 @@ class MultiReward:
                 total_B += spec.weight * output.scores_B
             seconds[spec.name] = time.perf_counter() - start
         return RewardBatch(total_B, scores, extras, failed, failed_batches, seconds)
+
+    def _decode(self, sources: Sequence[Sequence[Any]], batch: int) -> list:
+        """`decode_sources` with the images the previous micro-batch decoded at hand (the samples
+        of one prompt often span two consecutive micro-batches); keeps this batch's only."""
+        decoded = decode_sources(sources, batch, self._decoded)
+        keys = {getattr(item, "key", None) for row in sources for item in row}
+        self._decoded = {key: image for key, image in self._decoded.items() if key in keys}
+        return decoded

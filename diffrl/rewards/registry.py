@@ -6,6 +6,9 @@ registers the built-ins):
     @register_reward("brightness")           # a function IS the reward; config args bind as kwargs
     def brightness(pixels, prompts, metadata, *, scale=1.0): ...
 
+    @register_reward("my_edit_check")        # a `sources` keyword: it also gets each sample's
+    def my_edit_check(pixels, prompts, metadata, *, sources): ...   # source images (edit runs)
+
     @register_reward("my_model")             # a class is constructed ONCE with the config args
     class MyModelReward:                     # (load the model in __init__), then called per batch
         def __init__(self, path: str): ...
@@ -34,7 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from diffrl.registry import Registry
-from diffrl.rewards.base import Reward
+from diffrl.rewards.base import SOURCES_PARAM, Reward, needs_sources
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
 
@@ -84,7 +87,12 @@ def _accepted(factory: Callable[..., Any]) -> tuple[list[str], bool]:
     params = list(inspect.signature(factory).parameters.values())
     if not inspect.isclass(factory):
         params = params[_CALL_PARAMS:]
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    # `sources` is how a reward receives the source images of an edit run (base.takes_sources), never a config arg
+    names = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != SOURCES_PARAM
+    ]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
@@ -146,3 +154,15 @@ def build_reward(spec: str, args: Mapping[str, Any] | None = None) -> Reward:
     if inspect.isclass(factory):
         return factory(**args)
     return functools.partial(factory, **args) if args else factory
+
+
+def spec_needs_sources(spec: str) -> bool:
+    """Whether the registered reward `spec` names cannot score without the source images of an
+    edit run (its call's `sources` parameter has no default), read from its signature without
+    building it. False for `module:function` rewards (known once imported; they fail at their
+    first batch instead) and for `http` (the remote reward decides)."""
+    if ":" in spec:
+        return False
+    factory = REWARDS.get(base_name(spec))
+    target = factory.__call__ if inspect.isclass(factory) else factory
+    return needs_sources(target)

@@ -11,11 +11,20 @@ Protocol (version 1):
       {"version": 1,
        "images": ["<base64 PNG>", ...]            # B images, or
        "videos": [["<base64 PNG>", ...], ...],    # B videos of T frames (exactly one of the two)
-       "prompts": ["...", ...],                   # B strings
-       "metadata": [{...}, ...]}                  # B JSON objects
+       "prompts": ["...", ...],                   # B strings (in an edit run: the instructions)
+       "metadata": [{...}, ...],                  # B JSON objects
+       "source_images": ["<base64 PNG>", ...],    # optional (edit runs): the batch's distinct
+       "sources": [[0], [0], [1], ...]}           #   source images, each once, and per sample the
+                                                  #   indices of its own, in row order
     200 -> {"scores": [float x B], "extras": {"name": [per-sample values, B long]}}
     4xx/5xx -> {"error": "message"}
-    GET <url>/health -> {"status": "ok", "reward": "<spec>", "version": 1}
+    GET <url>/health -> {"status": "ok", "reward": "<spec>", "version": 1, "sources": true|false}
+
+The two source fields are additive: a server whose reward reads source images (`takes_sources`)
+says `"sources": true` in /health, and the client sends them only to such a server (a server
+without the key, an older one, never gets them), so the requests of non-edit scorers are
+unchanged. Source images count toward the server's image and pixel limits; they may have another
+size than the results (each its own).
 
 The client (`HttpReward`) retries connection failures, timeouts, and 429/502/503/504 answers with
 exponential backoff (`backoff * 2**attempt` seconds, capped at `max_backoff`), `retries` times;
@@ -49,7 +58,7 @@ import numpy as np
 from PIL import Image
 
 from diffrl.lazy import lazy_import
-from diffrl.rewards.base import RewardOutput, as_reward_output, check_batch
+from diffrl.rewards.base import RewardOutput, as_reward_output, check_batch, decode_sources
 from diffrl.rewards.registry import register_reward
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
@@ -122,9 +131,15 @@ def _to_chw(image: Image.Image, out_3HW: torch.Tensor | None = None) -> torch.Te
 
 
 def encode_request(
-    pixels: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    pixels: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    sources: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of POST /score for one batch (checked against the reward contract)."""
+    """The JSON body of POST /score for one batch (checked against the reward contract).
+
+    `sources`: each sample's source images (uint8 [3, H, W]); each distinct tensor is encoded
+    once into "source_images", and "sources" holds each sample's indices into it."""
     rows = check_batch(pixels, prompts, metadata)
     pixels = pixels.detach().cpu()
     body: dict[str, Any] = {"version": PROTOCOL_VERSION, "prompts": list(prompts), "metadata": rows}
@@ -132,7 +147,41 @@ def encode_request(
         body["images"] = [encode_png(frame) for frame in pixels]
     else:
         body["videos"] = [[encode_png(frame) for frame in video] for video in pixels]
+    if sources is not None:
+        index: dict[int, int] = {}  # id(tensor) -> its place in source_images
+        images: list[str] = []
+        sample_rows = []
+        for row in decode_sources(sources, int(pixels.shape[0])):
+            for image in row:
+                if id(image) not in index:
+                    index[id(image)] = len(images)
+                    images.append(encode_png(image.detach().cpu()))
+            sample_rows.append([index[id(image)] for image in row])
+        body["source_images"], body["sources"] = images, sample_rows
     return body
+
+
+def _source_indices(body: dict[str, Any], batch: int) -> tuple[list[Any], list[list[int]]] | None:
+    """("source_images", "sources") of a request, checked; None when it has neither."""
+    if "sources" not in body and "source_images" not in body:
+        return None
+    images, rows = body.get("source_images"), body.get("sources")
+    if not isinstance(images, list) or not isinstance(rows, list):
+        raise ValueError(
+            "'source_images' (a list of base64 PNGs) and 'sources' (one list of indices per sample) "
+            "go together"
+        )
+    if len(rows) != batch:
+        raise ValueError(f"'sources' has {len(rows)} rows for {batch} samples; one list of indices per sample")
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(images) for k in row
+        ):
+            raise ValueError(
+                f"'sources'[{i}] must be a list of indices into 'source_images' (0..{len(images) - 1}), "
+                f"got {str(row)[:100]}"
+            )
+    return images, rows
 
 
 def decode_request(
@@ -142,13 +191,19 @@ def decode_request(
     max_image_pixels: int | None = None,
     max_request_pixels: int | None = None,
     max_prompt_chars: int | None = None,
-) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
-    """(pixels, prompts, metadata) from a POST /score body; ValueError says what is malformed.
+    with_sources: bool = True,
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
+    """(pixels, prompts, metadata, sources) from a POST /score body; ValueError says what is malformed.
+
+    `sources` is None when the body has none, or when `with_sources` is False (a server whose
+    reward reads no source images ignores them: not one is opened). Otherwise B tuples of uint8
+    [3, H, W] tensors, the samples that name the same source image sharing its tensor.
 
     The limits (None = unbounded) are checked before any pixel is decoded: counts first, then each
     image's header (width x height), so a small PNG that claims 8000x8000 costs a few bytes, not
-    192 MB. `LimitExceeded` (a ValueError) names the limit; the server answers 413 with it.
-    Frames are decoded one by one straight into the batch tensor (no per-frame copies kept).
+    192 MB; source images count like the results. `LimitExceeded` (a ValueError) names the limit;
+    the server answers 413 with it. Frames are decoded one by one straight into the batch tensor
+    (no per-frame copies kept).
     """
     if not isinstance(body, dict):
         raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -177,40 +232,47 @@ def decode_request(
         if len({len(v) for v in items}) != 1:
             raise ValueError("all videos of a request must have the same frame count and size")
         frames, lead = [frame for video in items for frame in video], (len(items), len(items[0]))
-    if max_images is not None and len(frames) > max_images:
-        raise LimitExceeded(
-            "max_images", max_images, f"{len(frames)} images (video frames count) in one request"
-        )
     if len(prompts) != lead[0] or len(metadata) != lead[0]:
         raise ValueError(
             f"{lead[0]} samples but {len(prompts)} prompts and {len(metadata)} metadata rows; one of each per sample"
+        )
+    given = _source_indices(body, lead[0]) if with_sources else None
+    source_data = given[0] if given is not None else []
+    if max_images is not None and len(frames) + len(source_data) > max_images:
+        raise LimitExceeded(
+            "max_images",
+            max_images,
+            f"{len(frames) + len(source_data)} images (video frames and source images count) in one request",
         )
     if max_prompt_chars is not None:
         longest = max((len(p) for p in prompts), default=0)
         if longest > max_prompt_chars:
             raise LimitExceeded("max_prompt_chars", max_prompt_chars, f"a prompt of {longest} characters")
-    images = []
+    # Every header first (results, then source images), so the limits hold before any pixel decodes.
+    opened = []
     total_pixels = 0
-    for index, data in enumerate(frames):
+    for index, data in enumerate([*frames, *source_data]):
+        what = f"image {index}" if index < len(frames) else f"source image {index - len(frames)}"
         image = _open_image(data, index, max_image_pixels)
         width, height = image.size
         if max_image_pixels is not None and width * height > max_image_pixels:
             raise LimitExceeded(
-                "max_image_pixels",
-                max_image_pixels,
-                f"image {index} is {width}x{height} = {width * height} pixels",
+                "max_image_pixels", max_image_pixels, f"{what} is {width}x{height} = {width * height} pixels"
             )
         total_pixels += width * height
         if max_request_pixels is not None and total_pixels > max_request_pixels:
             raise LimitExceeded(
-                "max_request_pixels", max_request_pixels, f"images 0..{index} hold {total_pixels} pixels"
+                "max_request_pixels",
+                max_request_pixels,
+                f"the images up to {what} hold {total_pixels} pixels (source images count)",
             )
-        if images and image.size != images[0].size:
+        if index < len(frames) and opened and image.size != opened[0].size:
             raise ValueError(
                 f"all images of a request must have the same size: image {index} is {width}x{height}, "
-                f"image 0 is {images[0].size[0]}x{images[0].size[1]}"
+                f"image 0 is {opened[0].size[0]}x{opened[0].size[1]}"
             )
-        images.append(image)
+        opened.append(image)
+    images, source_images = opened[: len(frames)], opened[len(frames) :]
     width, height = images[0].size
     pixels = torch.empty((len(images), 3, height, width), dtype=torch.uint8)
     for index, image in enumerate(images):
@@ -218,7 +280,10 @@ def decode_request(
         images[index] = None  # type: ignore[call-overload]  # free the compressed bytes as we go
     pixels = pixels.reshape(*lead, 3, height, width)
     rows = check_batch(pixels, prompts, metadata)
-    return pixels, prompts, rows
+    if given is None:
+        return pixels, prompts, rows, None
+    decoded = [_to_chw(image) for image in source_images]
+    return pixels, prompts, rows, [tuple(decoded[k] for k in row) for row in given[1]]
 
 
 def encode_response(output: RewardOutput) -> dict[str, Any]:
@@ -301,6 +366,7 @@ class HttpReward:
         self.retries = int(retries)
         self.backoff = float(backoff)
         self.max_backoff = float(max_backoff)
+        self._server_takes_sources: bool | None = None  # from /health, on the first batch with sources
 
     def _request(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         """One attempt: (status, body bytes), all of it within `timeout` seconds.
@@ -353,7 +419,11 @@ class HttpReward:
 
     def _post(self, body: bytes) -> Any:
         """POST to <url>/score with retries; the decoded JSON answer."""
-        endpoint = f"{self.url}/score"
+        return self._send("POST", "/score", body)
+
+    def _send(self, method: str, path: str, body: bytes | None) -> Any:
+        """`method` <url><path> with retries; the decoded JSON answer."""
+        endpoint = f"{self.url}{path}"
         attempts = self.retries + 1
         last: Exception | None = None
         timed_out = False
@@ -361,7 +431,7 @@ class HttpReward:
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
             try:
-                status, data = self._request("POST", "/score", body)
+                status, data = self._request(method, path, body)
             except TimeoutError as err:
                 last, timed_out = err, True
                 continue
@@ -398,15 +468,28 @@ class HttpReward:
             raise RuntimeError(f"http reward: {endpoint} answered HTTP {status}: {_error_message(data)}")
         return _parse_json(data, endpoint)
 
+    def server_takes_sources(self) -> bool:
+        """Whether the server's reward reads source images (its /health says `"sources": true`),
+        asked once (with the retries of a score request) and remembered."""
+        if self._server_takes_sources is None:
+            answer = self._send("GET", "/health", None)
+            self._server_takes_sources = isinstance(answer, dict) and answer.get("sources") is True
+        return self._server_takes_sources
+
     def __call__(
         self,
         pixels: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> RewardOutput:
+        """Score remotely. `sources` (an edit run's source images) are sent only to a server whose
+        reward reads them (`server_takes_sources`)."""
         rows = check_batch(pixels, prompts, metadata)
+        if sources is not None and not self.server_takes_sources():
+            sources = None
         try:
-            body = json.dumps(encode_request(pixels, prompts, rows)).encode()
+            body = json.dumps(encode_request(pixels, prompts, rows, sources)).encode()
         except TypeError as err:
             raise ValueError(f"http reward: metadata must be JSON-serialisable to send it: {err}") from err
         return decode_response(self._post(body), int(pixels.shape[0]), f"http {self.url}")

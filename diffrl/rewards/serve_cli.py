@@ -49,9 +49,9 @@ LIMIT_HELP = {
     "max_receiving_bytes": "body bytes received at once, summed over requests still receiving theirs "
     "(503 beyond; a slow client counts the bytes it sent)",
     "max_json_items": "JSON values in a request body (413 beyond)",
-    "max_images": "images per request, video frames counted (413 beyond)",
+    "max_images": "images per request, video frames and source images counted (413 beyond)",
     "max_image_pixels": "width x height of one image, read from its header before decoding (413 beyond)",
-    "max_request_pixels": "width x height summed over a request's images (413 beyond)",
+    "max_request_pixels": "width x height summed over a request's images, source images included (413 beyond)",
     "max_prompt_chars": "characters in one prompt (413 beyond)",
 }
 

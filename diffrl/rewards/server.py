@@ -12,7 +12,7 @@ nothing from concurrent calls and most rewards are not thread-safe. Batch on the
 A peer can be hostile or broken, so every resource a request can take is bounded (`ServerLimits`,
 one CLI flag each): connections, requests decoded/scored at once, body bytes being received, the
 body, JSON items, images, pixels per image and per request (read from the PNG header before any
-pixel is decoded), prompt length, and a deadline on reading each request as a whole (a client trickling bytes is cut
+pixel is decoded; an edit run's source images count), prompt length, and a deadline on reading each request as a whole (a client trickling bytes is cut
 off). Rejections are answered at once with 4xx/503 and `{"error", "limit", "value"}`. With a token
 (`--token-env` or DIFFRL_REWARD_TOKEN) every request needs `Authorization: Bearer <token>`. The
 default host is 127.0.0.1 (this machine only). A request's body is received before it takes one of
@@ -62,7 +62,7 @@ class ServerLimits:
     max_body_bytes: int = 64 << 20  # 64 MiB
     max_receiving_bytes: int = 256 << 20  # body bytes received, over every request still receiving its body
     max_json_items: int = 100_000  # JSON values (bounds json.loads's memory, ~60 bytes per value)
-    max_images: int = 256  # images per request; video frames count
+    max_images: int = 256  # images per request; video frames and source images count
     max_image_pixels: int = 4096 * 4096
     max_request_pixels: int = 1 << 26  # 64 Mi pixels = 192 MiB of RGB
     max_prompt_chars: int = 8192
@@ -93,10 +93,14 @@ class RewardHTTPServer(ThreadingHTTPServer):
         limits: ServerLimits | None = None,
         token: str | None = None,
     ) -> None:
+        from diffrl.rewards.base import takes_sources
         from diffrl.rewards.remote import pillow_pixel_cap
 
         self.reward = reward
         self.spec = spec
+        #: Whether the reward reads an edit run's source images: /health says so, and only then
+        #: are a request's source images decoded (and counted toward the limits).
+        self.takes_sources = takes_sources(reward)
         self.limits = limits or ServerLimits()
         if self.limits.max_image_pixels > pillow_pixel_cap():
             raise ValueError(
@@ -263,7 +267,15 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
         except Rejected as err:
             self._answer(err.status, err.body())
             return
-        self._answer(HTTPStatus.OK, {"status": "ok", "reward": self.server.spec, "version": PROTOCOL_VERSION})
+        self._answer(
+            HTTPStatus.OK,
+            {
+                "status": "ok",
+                "reward": self.server.spec,
+                "version": PROTOCOL_VERSION,
+                "sources": self.server.takes_sources,
+            },
+        )
 
     def do_POST(self) -> None:
         try:
@@ -384,12 +396,13 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                 raise LimitExceeded("max_json_items", limits.max_json_items, f"about {items} JSON values")
             body = json.loads(raw)
             del raw
-            pixels, prompts, metadata = decode_request(
+            pixels, prompts, metadata, sources = decode_request(
                 body,
                 max_images=limits.max_images,
                 max_image_pixels=limits.max_image_pixels,
                 max_request_pixels=limits.max_request_pixels,
                 max_prompt_chars=limits.max_prompt_chars,
+                with_sources=self.server.takes_sources,
             )
             del body
         except LimitExceeded as err:
@@ -402,7 +415,9 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
             return
         try:
             with self.server.score_lock:
-                output = call_reward(self.server.reward, pixels, prompts, metadata, self.server.spec)
+                output = call_reward(
+                    self.server.reward, pixels, prompts, metadata, self.server.spec, sources=sources
+                )
         except ValueError as err:
             logger.warning("reward %r rejected a batch of %d: %s", self.server.spec, len(prompts), err)
             self._answer(HTTPStatus.BAD_REQUEST, {"error": f"{type(err).__name__}: {err}"})

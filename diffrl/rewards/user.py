@@ -13,6 +13,8 @@ importable there: installed, or on `PYTHONPATH` / in the working directory.
 - A function is called as `fn(pixels, prompts, metadata, **args)`.
 - A class is constructed once as `Class(**args)` (load models there) and its instances are called
   as `obj(pixels, prompts, metadata)`.
+- Either gets `sources=` too (each sample's source images in an edit run, diffrl.rewards.base)
+  when its call has a `sources` parameter.
 
 Either may be `async def` (it is run to completion on an event loop) and may return a
 `RewardOutput`, a tensor, a NumPy array or a list of B floats.
@@ -30,7 +32,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from diffrl.lazy import lazy_import
-from diffrl.rewards.base import RewardOutput, as_reward_output, check_batch, resolve_awaitable
+from diffrl.rewards.base import (
+    SOURCES_PARAM,
+    RewardOutput,
+    as_reward_output,
+    check_batch,
+    needs_sources,
+    resolve_awaitable,
+    takes_sources,
+)
 from diffrl.rewards.registry import _check_args, register_reward
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
@@ -90,6 +100,9 @@ class PythonReward:
             self._fn = target(**kwargs)
         else:
             self._fn = functools.partial(target, **kwargs) if kwargs else target
+        # what `call_reward` reads: the target's, not this wrapper's (which forwards `sources`)
+        self.takes_sources = takes_sources(self._fn)
+        self.needs_sources = needs_sources(self._fn)
 
     @staticmethod
     def check_args(function: str, **kwargs: Any) -> Any:
@@ -101,8 +114,9 @@ class PythonReward:
             return target
         _check_args(function, target, kwargs)
         if not inspect.isclass(target):
+            sources = {SOURCES_PARAM: None} if needs_sources(target) else {}
             try:
-                inspect.signature(target).bind(None, None, None, **kwargs)
+                inspect.signature(target).bind(None, None, None, **sources, **kwargs)
             except TypeError as err:
                 raise ValueError(
                     f"reward function {function!r} must accept (pixels, prompts, metadata) positionally, "
@@ -115,7 +129,9 @@ class PythonReward:
         pixels: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> RewardOutput:
         rows = check_batch(pixels, prompts, metadata)
-        result = resolve_awaitable(self._fn(pixels, list(prompts), rows))
+        given = {SOURCES_PARAM: sources} if self.takes_sources else {}
+        result = resolve_awaitable(self._fn(pixels, list(prompts), rows, **given))
         return as_reward_output(result, int(pixels.shape[0]), self.name)

@@ -6,6 +6,7 @@ The controller's loop, with either implementation:
     handles = []
     for micro_batch in sampler:                                  # sampling the next micro-batch ...
         handles.append(workers.submit(mb.pixels, mb.prompts, mb.metadata))   # ... while this one scores
+                                                                 # (edit runs: sources=each sample's images)
     rewards = gather(handles)                                    # RewardBatch of the whole step, in order
     metrics.update(rewards.metrics(uids))
 
@@ -63,6 +64,7 @@ class RewardWorkers(Protocol):
         pixels: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[Any]] | None = None,
     ) -> RewardHandle: ...
 
     def close(self) -> None: ...
@@ -107,15 +109,18 @@ class InProcessRewardWorkers:
         pixels: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[Any]] | None = None,
     ) -> RewardHandle:
-        # Copy the inputs now: the caller may reuse its buffers for the next micro-batch.
+        # Copy the inputs now: the caller may reuse its buffers for the next micro-batch. Source
+        # images are never written (ConditionImages are frozen): the rows are copied, not the images.
         pixels, prompts = pixels.detach().cpu().clone(), list(prompts)
         metadata = None if metadata is None else [dict(row) for row in metadata]
+        sources = None if sources is None else [tuple(row) for row in sources]
         if self._pool is not None:
-            return _FutureHandle(self._pool.submit(self.reward, pixels, prompts, metadata))
+            return _FutureHandle(self._pool.submit(self.reward, pixels, prompts, metadata, sources))
         future: Future[RewardBatch] = Future()
         try:
-            future.set_result(self.reward(pixels, prompts, metadata))
+            future.set_result(self.reward(pixels, prompts, metadata, sources))
         except Exception as err:
             future.set_exception(err)
         return _FutureHandle(future)
@@ -153,11 +158,15 @@ class RewardWorker:
         return True
 
     def score(
-        self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None
+        self,
+        pixels: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict[str, Any]] | None,
+        sources: list[tuple[Any, ...]] | None = None,
     ) -> RewardBatch:
         if self.reward is None:
             raise RuntimeError(f"this reward worker failed to start: {self.error!r}")
-        return self.reward(pixels, prompts, metadata)
+        return self.reward(pixels, prompts, metadata, sources)
 
 
 def _died(
@@ -245,11 +254,15 @@ class RayRewardWorkers:
         pixels: torch.Tensor,
         prompts: Sequence[str],
         metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[Any]] | None = None,
     ) -> RewardHandle:
         index = self._submitted % len(self.actors)
         self._submitted += 1
         rows = None if metadata is None else [dict(row) for row in metadata]
-        ref = self.actors[index].score.remote(pixels.detach().cpu(), list(prompts), rows)
+        # ConditionImages travel as their path or encoded bytes (pickled once per distinct image:
+        # the samples of a prompt share the object) and are decoded in the actor, if a reward reads them.
+        images = None if sources is None else [tuple(row) for row in sources]
+        ref = self.actors[index].score.remote(pixels.detach().cpu(), list(prompts), rows, images)
         return _RayHandle(ref, index, len(self.actors), self.identities[index])
 
     def close(self) -> None:

@@ -217,7 +217,7 @@ class RolloutWorker:
                 uids=shard.uids,
                 metadata=shard.metadata,
                 negative_prompts=shard.negative_prompts,
-                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles),
+                on_decoded=_submitter(rewards, shard.prompts, shard.metadata, handles, shard.images),
                 sample_offset=shard.sample_offset,
                 images=shard.images,
             )
@@ -238,7 +238,7 @@ class RolloutWorker:
                 images=shard.images,
             ).to("cpu")
         handles: list[Any] = []
-        _submitter(rewards, shard.prompts, shard.metadata, handles)(rollout.samples)
+        _submitter(rewards, shard.prompts, shard.metadata, handles, shard.images)(rollout.samples)
         rollout.extras["reward_handles"] = handles
         return rollout
 
@@ -290,12 +290,25 @@ def weight_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
     return out
 
 
-def _submitter(rewards: Any, prompts: Sequence[str], metadata: Sequence[dict], handles: list[Any]):
-    """An `on_decoded` callback sending each micro-batch's pixels to the reward workers."""
+def _submitter(
+    rewards: Any,
+    prompts: Sequence[str],
+    metadata: Sequence[dict],
+    handles: list[Any],
+    images: Sequence[tuple[ConditionImage, ...]] | None = None,
+):
+    """An `on_decoded` callback sending each micro-batch's pixels to the reward workers; with
+    `images` (an edit run: each prompt's condition images) also each sample's as `sources`, as the
+    `ConditionImage`s themselves (a path or the encoded bytes), which the reward process decodes
+    only if one of its rewards reads them."""
 
     def submit(chunk) -> None:
         rows = chunk.prompt_index_B.tolist()
-        handles.append(rewards.submit(chunk.pixels, [prompts[i] for i in rows], [metadata[i] for i in rows]))
+        batch = (chunk.pixels, [prompts[i] for i in rows], [metadata[i] for i in rows])
+        if images is None:
+            handles.append(rewards.submit(*batch))
+        else:
+            handles.append(rewards.submit(*batch, sources=[images[i] for i in rows]))
 
     return submit
 

@@ -35,10 +35,11 @@ def test_png_wire_format_is_lossless():
     for frame in pixels:
         assert torch.equal(decode_png(encode_png(frame)), frame)
     video = _pixels(6).reshape(2, 3, 3, 24, 24)
-    decoded, prompts, metadata = decode_request(
+    decoded, prompts, metadata, sources = decode_request(
         json.loads(json.dumps(encode_request(video, ["a", "b"], None)))
     )
     assert torch.equal(decoded, video) and prompts == ["a", "b"] and metadata == [{}, {}]
+    assert sources is None  # a request without source images (every non-edit run)
 
 
 def test_scores_over_http_equal_the_local_reward():
@@ -47,7 +48,12 @@ def test_scores_over_http_equal_the_local_reward():
     with start_reward_server("jpeg_incompressibility", {"quality": 80}) as server:
         client = build_reward("http", {"url": server.url, "timeout": 10})
         remote = client(pixels, prompts, [{}, {}, {}])
-        assert client.health() == {"status": "ok", "reward": "jpeg_incompressibility", "version": 1}
+        assert client.health() == {
+            "status": "ok",
+            "reward": "jpeg_incompressibility",
+            "version": 1,
+            "sources": False,  # it reads no source images: a client never sends it any
+        }
         video = pixels.unsqueeze(0)
         remote_video = client(video, ["v"], None).scores_B
     torch.testing.assert_close(remote.scores_B, local.scores_B)
