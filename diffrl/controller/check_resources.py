@@ -32,7 +32,9 @@ from diffrl.transition import Rollout
 MEMORY_HEADROOM = 0.9
 
 
-def reward_rows(cfg: Config, rollout: Rollout, images: Sequence[Sequence[Any]] | None = None) -> list[CheckRow]:
+def reward_rows(
+    cfg: Config, rollout: Rollout, images: Sequence[Sequence[Any]] | None = None
+) -> list[CheckRow]:
     """Each reward on the sampler's decoded samples, as `required` (so a failure shows its cause).
     `images`: the prompts' condition images (image-edit families), each sample's given to the
     rewards as its `sources`, as the run's reward workers get them."""

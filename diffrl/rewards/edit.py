@@ -123,7 +123,9 @@ class EditPreservation:
             source = row[self.source_index]
             if id(source) not in resized:
                 resized[id(source)] = resize_source(source, height, width)
-            out = preservation(frames_N3HW[i * frames : (i + 1) * frames], resized[id(source)], self.threshold)
+            out = preservation(
+                frames_N3HW[i * frames : (i + 1) * frames], resized[id(source)], self.threshold
+            )
             scores.append(out[0])
             diffs.append(out[1])
             kept.append(out[2])

@@ -172,7 +172,9 @@ def _source_indices(body: dict[str, Any], batch: int) -> tuple[list[Any], list[l
             "go together"
         )
     if len(rows) != batch:
-        raise ValueError(f"'sources' has {len(rows)} rows for {batch} samples; one list of indices per sample")
+        raise ValueError(
+            f"'sources' has {len(rows)} rows for {batch} samples; one list of indices per sample"
+        )
     for i, row in enumerate(rows):
         if not isinstance(row, list) or not all(
             isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(images) for k in row

@@ -165,3 +165,79 @@ def test_diffrl_sample_edits_the_image_given_with_image(tmp_path, capsys, monkey
     ]
     assert main([*text_only, "--out", str(tmp_path / "sd3")]) == 2
     assert "takes no condition image" in capsys.readouterr().err
+
+
+def test_a_kontext_run_trains_on_edit_preservation(tmp_path, monkeypatch):
+    """Issue 35 item 3: the source images reach the rewards through the run's own paths (the
+    rollout's reward workers, validation): two steps of tiny_flux_kontext with edit_preservation
+    as the reward, with a reward that reads no sources beside it. (The start-up check, whose
+    reward rows get the sources too, is the next test's: it would double this one's time.)"""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    rewards = [
+        "reward.functions.jpeg_compressibility.weight=0.01",
+        "reward.functions.edit_preservation.weight=1",
+        "reward.functions.edit_preservation.args.threshold=48",
+    ]
+    fast = ["trainer.check_at_start=false", "trainer.save_freq=100"]  # no checkpoint or export either
+    run_dir = train(
+        "tiny_flux_kontext", [*SMALL, *rewards, *fast, f"trainer.output_dir={tmp_path}", "trainer.run_name=k"]
+    )
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    for step in (1, 2):
+        kept = metrics[step]["rewards/edit_preservation/mean"]
+        assert 0.0 <= kept <= 1.0 and math.isfinite(
+            metrics[step]["rewards/edit_preservation/kept_fraction_mean"]
+        )
+        assert math.isfinite(metrics[step]["rewards/jpeg_compressibility/mean"])
+        assert metrics[step]["rewards/edit_preservation/failed_batches"] == 0
+        assert metrics[step]["actor/grad_norm"] > 0
+    for step in (0, 2):  # validation scores the sources too
+        assert 0.0 <= metrics[step]["val/rewards/edit_preservation/mean"] <= 1.0
+
+
+def test_the_checks_reward_rows_give_each_sample_its_prompts_source(tmp_path):
+    """`diffrl check`'s reward rows score the ODE samples with each sample's condition images, as
+    the run's reward workers do (a rollout stand-in: two prompts, two samples each)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from diffrl.config import load_config
+    from diffrl.controller.check_resources import reward_rows
+    from diffrl.data.images import read_condition_image
+
+    cfg = load_config("tiny_flux_kontext", ["reward.functions.edit_preservation.weight=1"])
+    images = []
+    for seed in (1, 2):
+        condition_image(seed, 32, 32).save(tmp_path / f"{seed}.png")
+        images.append((read_condition_image(f"{seed}.png", tmp_path, "edit.jsonl:1", "image"),))
+    pixels = torch.stack(
+        [torch.from_numpy(np.array(condition_image(s, 32, 32))).permute(2, 0, 1) for s in (1, 1, 2, 3)]
+    )
+    rollout = SimpleNamespace(
+        samples=SimpleNamespace(pixels=pixels, prompt_index_B=torch.tensor([0, 0, 1, 1])),
+        sample_prompts=lambda: ["make it red"] * 4,
+        sample_metadata=lambda: [{}] * 4,
+    )
+    rows = {row.check: row for row in reward_rows(cfg, rollout, images)}
+    assert not rows["reward edit_preservation"].failed and not rows["reward jpeg_compressibility"].failed
+    # without the images (a caller that forgot them) the row fails with the reward's own message
+    rows = {row.check: row for row in reward_rows(cfg, rollout)}
+    assert (
+        rows["reward edit_preservation"].failed
+        and "this batch has none" in rows["reward edit_preservation"].note
+    )
+
+
+def test_a_reward_that_needs_sources_with_a_text_to_image_model_fails_before_any_model_loads(
+    tmp_path, monkeypatch
+):
+    loads = []
+    monkeypatch.setattr("diffrl.models.base.ModelAdapter.from_pretrained", lambda *a, **k: loads.append(a))
+    with pytest.raises(
+        ValueError,
+        match=r"reward.functions.edit_preservation scores each result against its source image.*takes no condition images.*reward.functions.edit_preservation=null",
+    ):
+        train("tiny_sd3", ["reward.functions.edit_preservation.weight=1", f"trainer.output_dir={tmp_path}"])
+    assert not loads

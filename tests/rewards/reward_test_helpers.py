@@ -72,3 +72,38 @@ def fails_when_asked(pixels, prompts, metadata):
     if metadata[0].get("fail"):
         raise ConnectionError("remote scorer hiccup")
     return RewardOutput(torch.ones(pixels.shape[0]), {"confidence": torch.full((pixels.shape[0],), 0.5)})
+
+
+# ------------------------------------------------------------------ edit runs: rewards that read sources
+SOURCES_SEEN: list = []
+
+
+def instruction_judge(pixels, prompts, metadata, *, sources, bonus=0.0):
+    """A tiny stand-in for a VLM judge of edits: it reads the instruction, the source and the
+    result. Score: the instruction's word count + 1 when the result's mean brightness moved in the
+    direction the instruction names ("brighter"/"darker") relative to the source, + `bonus`.
+    Extras echo what arrived (source sizes and sums), so a test sees it came through unchanged."""
+    SOURCES_SEEN.append(sources)
+    scores, sums, heights = [], [], []
+    for result, prompt, row in zip(pixels, prompts, sources, strict=True):
+        source = row[0]
+        moved = result.float().mean() - source.float().mean()
+        wanted = 1.0 if "brighter" in prompt else -1.0 if "darker" in prompt else 0.0
+        scores.append(len(prompt.split()) + float(wanted * moved > 0) + bonus)
+        sums.append(float(sum(int(s.sum()) for s in row)))
+        heights.append(int(source.shape[1]))
+    return RewardOutput(
+        torch.tensor(scores), {"source_sum": torch.tensor(sums), "source_height": torch.tensor(heights)}
+    )
+
+
+class SourceCounter:
+    """A class reward that takes optional sources: how many it got per sample (0 without)."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+
+    def __call__(self, pixels, prompts, metadata, sources=None):
+        if sources is None:
+            return torch.full((pixels.shape[0],), self.offset - 1.0)
+        return torch.tensor([len(row) + self.offset for row in sources], dtype=torch.float32)
