@@ -20,6 +20,9 @@ Metrics of a step (`RewardBatch.metrics(uids)`), in the scheme of `diffrl.algos.
     rewards/<name>/<extra>_mean        mean of each float extra (e.g. rewards/ocr/edit_distance_mean)
 
 `<name>` is the entry's key made metric-safe (`http@ocr` -> `http_ocr`, see `metric_name`).
+
+Edit runs pass each sample's source images (`sources`, diffrl.rewards.base); they are decoded
+here, once per distinct image, only when a reward that reads them scores the batch.
 """
 
 from __future__ import annotations
