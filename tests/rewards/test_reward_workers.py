@@ -29,6 +29,23 @@ def _micro_batches():
     return [(pixels[:2], prompts[:2], [{}, {}]), (pixels[2:], prompts[2:], [{}, {}])]
 
 
+def _edit_micro_batch():
+    """Two samples of one edit prompt, its source image as parquet bytes (a ConditionImage)."""
+    import io
+
+    import numpy as np
+    from edit_images import condition_image
+
+    from diffrl.data.images import read_condition_image
+
+    buffer = io.BytesIO()
+    condition_image(1, 32, 32).save(buffer, format="PNG")
+    source = read_condition_image(buffer.getvalue(), None, "edit.parquet row 1", "image")
+    first = torch.from_numpy(np.array(condition_image(1, 32, 32))).permute(2, 0, 1)
+    pixels = torch.stack([first, torch.zeros_like(first)])
+    return pixels, ["make it red", "make it red"], [{}, {}], [(source,), (source,)]
+
+
 def _expected():
     with InProcessRewardWorkers(FUNCTIONS, overlap=False) as workers:
         return gather([workers.submit(*mb) for mb in _micro_batches()])
@@ -95,6 +112,10 @@ def test_ray_workers_match_in_process_scores():
         step = gather(handles, timeout=60)
         assert all(h.done() for h in handles)
         workers.close()
+        # An edit run's micro-batch: the ConditionImages travel to the actor, which decodes them.
+        with RayRewardWorkers({"edit_preservation": {}}) as edit_workers:
+            pixels, prompts, metadata, sources = _edit_micro_batch()
+            edit_step = edit_workers.submit(pixels, prompts, metadata, sources=sources).result(timeout=60)
         # A worker that cannot load its model fails at creation, with the model's own error type.
         with pytest.raises(FileNotFoundError, match=r"args.model='/no/such/clip' does not exist"):
             RayRewardWorkers({"clip_score": {"args": {"model": "/no/such/clip"}}})
@@ -102,6 +123,10 @@ def test_ray_workers_match_in_process_scores():
         if started:
             ray.shutdown()
     expected = _expected()
+    with InProcessRewardWorkers({"edit_preservation": {}}, overlap=False) as in_process:
+        edit_expected = in_process.submit(*_edit_micro_batch()[:3], sources=_edit_micro_batch()[3]).result()
+    torch.testing.assert_close(edit_step.total_B, edit_expected.total_B)
+    assert edit_step.total_B[0] == 1.0 > edit_step.total_B[1]  # the first result is its source
     torch.testing.assert_close(step.total_B, expected.total_B)
     for name in FUNCTIONS:
         torch.testing.assert_close(step.scores[name], expected.scores[name])
