@@ -468,7 +468,10 @@ class HttpReward:
             raise ConnectionError(f"http reward: cannot reach {endpoint}: {_reason(err)}") from err
         if status != 200:
             raise RuntimeError(f"http reward: {endpoint} answered HTTP {status}: {_error_message(data)}")
-        return _parse_json(data, endpoint)
+        answer = _parse_json(data, endpoint)
+        if isinstance(answer, dict):  # the start-up probe answers `server_takes_sources` too
+            self._server_takes_sources = answer.get("sources") is True
+        return answer
 
     def server_takes_sources(self) -> bool:
         """Whether the server's reward reads source images (its /health says `"sources": true`),
