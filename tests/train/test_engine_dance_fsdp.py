@@ -97,23 +97,24 @@ def step(engine: TrainEngine, micro_batches: list[PolicyGradientBatch]):
     return metrics, grads, sizes
 
 
-def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str, keep_gathered: bool) -> None:
+def _worker(rank: int, port: int, model_dir: str, shards, out_dir: str) -> None:
+    """Both ways of gathering in one process group: one engine resharding after every forward and
+    backward, then one keeping its units gathered through a pass."""
     join_gloo(rank, WORLD, port, out_dir, PG_TIMEOUT_S)
     try:
-        parallel.KEEP_GATHERED_FRACTION = 1.0 if keep_gathered else 0.0
-        engine = engine_for(model_dir, "fsdp2")
-        metrics, grads, sizes = step(engine, shards[rank])
-        log_probs = engine.log_probs(shards[rank][0].rollout)[0]
-        torch.save(
-            {
+        results = {}
+        for keep_gathered in (False, True):
+            parallel.KEEP_GATHERED_FRACTION = 1.0 if keep_gathered else 0.0
+            engine = engine_for(model_dir, "fsdp2")
+            metrics, grads, sizes = step(engine, shards[rank])
+            results[keep_gathered] = {
                 "metrics": metrics,
                 "grads": grads,
                 "sizes": sizes,
-                "log_probs": log_probs,
+                "log_probs": engine.log_probs(shards[rank][0].rollout)[0],
                 "kept_gathered": engine._keep_gathered,
-            },
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
+            }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         distributed.shutdown_distributed()
 
@@ -123,30 +124,45 @@ def micro_batches(tiny_model) -> list[PolicyGradientBatch]:
     return masked_micro_batches(tiny_model("sd3"), MASK, MICRO)
 
 
-@pytest.mark.parametrize("keep_gathered", [False, True], ids=["reshard", "kept_gathered"])
-def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
-    tiny_model, micro_batches, tmp_path, monkeypatch, keep_gathered
-):
+@pytest.fixture(scope="module")
+def sharded_runs(tiny_model, micro_batches, tmp_path_factory):
+    """Each rank's results of both engines (keyed by keep_gathered), from one 2-process gloo run."""
     model_dir = str(tiny_model("sd3"))
     half = len(micro_batches) // WORLD
     shards = [micro_batches[:half], micro_batches[half:]]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks' FSDP mesh is the CPU, as in CI
-    spawn_with_deadlines(
-        _worker,
-        (free_port(), model_dir, shards, str(tmp_path), keep_gathered),
-        WORLD,
-        tmp_path,
-        start_s=START_DEADLINE_S,
-        run_s=STEP_DEADLINE_S,
-        what="DanceGRPO FSDP2 step",
-    )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    out = tmp_path_factory.mktemp("dance_fsdp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks' FSDP mesh is the CPU, as in CI
+        spawn_with_deadlines(
+            _worker,
+            (free_port(), model_dir, shards, str(out)),
+            WORLD,
+            out,
+            start_s=START_DEADLINE_S,
+            run_s=2 * STEP_DEADLINE_S,
+            what="DanceGRPO FSDP2 step",
+        )
+    return shards, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
-    single = engine_for(model_dir, "none")
-    expected_metrics, expected_grads, single_sizes = step(single, micro_batches)
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model, micro_batches, sharded_runs):
+    """The same mini-batch on one device without FSDP: metrics, gradients, term sizes, and the
+    log-probs of each rank's first micro-batch."""
+    shards, _ = sharded_runs
+    single = engine_for(str(tiny_model("sd3")), "none")
+    metrics, grads, sizes = step(single, micro_batches)
+    return metrics, grads, sizes, [single.log_probs(shard[0].rollout)[0] for shard in shards]
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True], ids=["reshard", "kept_gathered"])
+def test_uneven_step_subsets_across_ranks_finish_and_match_one_process(
+    sharded_runs, one_process, keep_gathered
+):
+    ranks = [result[keep_gathered] for result in sharded_runs[1]]
+    expected_metrics, expected_grads, single_sizes, expected_log_probs = one_process
     assert [r["kept_gathered"] for r in ranks] == [keep_gathered] * WORLD
-    for result, shard in zip(ranks, shards, strict=True):
-        expected = single.log_probs(shard[0].rollout)[0]
+    for result, expected in zip(ranks, expected_log_probs, strict=True):
         torch.testing.assert_close(result["log_probs"], expected, rtol=1e-5, atol=1e-6)
     assert len(single_sizes) == sum(REAL_TERMS)  # one process pads nothing
 
