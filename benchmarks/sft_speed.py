@@ -34,7 +34,9 @@ PRESETS = {"toy": ("shapes_sft", "tiny:toy"), "toy_edit": ("shapes_edit_sft", "t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--images", type=int, default=64, help="images per step (default 64)")
     parser.add_argument("--micro", type=int, default=32, help="actor.micro_batch_size (default 32)")
     parser.add_argument("--rounds", type=int, default=5)

@@ -561,7 +561,10 @@ class SftConfig:
 
     def validate(self, at: str) -> None:
         require(
-            bool(self.images), f"{at}.images", self.images, "must name an image column, or be 'shapes' or 'shapes_edit'"
+            bool(self.images),
+            f"{at}.images",
+            self.images,
+            "must name an image column, or be 'shapes' or 'shapes_edit'",
         )
         require_choice(f"{at}.weighting_scheme", self.weighting_scheme, self.WEIGHTING_SCHEMES)
         require_positive(f"{at}.logit_std", self.logit_std)
