@@ -86,7 +86,9 @@ def run_validation(
     videos = []
     if pixels.ndim == 5:  # [B, T, 3, H, W]: the grid shows first frames, the GIFs the motion
         videos = validation_videos(pixels, rows, folder / f"step_{step:06d}")
-    grid = validation_grid(pixels, rows, folder / f"step_{step:06d}.jsonl", condition_pixels(records, n, pixels))
+    grid = validation_grid(
+        pixels, rows, folder / f"step_{step:06d}.jsonl", condition_pixels(records, n, pixels)
+    )
     save_png(folder / f"step_{step:06d}.png", grid)
     if logger is not None:
         logger.log_images(step, "val/samples", grid)
