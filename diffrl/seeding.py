@@ -26,6 +26,9 @@ TIMESTEP_SUBSET_STREAM = 11  # (TIMESTEP_SUBSET_STREAM, seed, step, sample): the
 # (PREFERENCE_STREAM, seed, step, epoch, sample or pair): the noise levels and fresh noise of one
 # clean sample (NFT, AWM) or preference pair (DPO) in the direct-preference trainer
 PREFERENCE_STREAM = 12
+# (EDIT_STREAM, seed, 0, kind) picks the edits of a shapes-edit prompt file; (EDIT_STREAM, seed, 1,
+# row) draws the layout of its row (diffrl.toy.edit)
+EDIT_STREAM = 13
 
 
 def derive_seed(*keys: int) -> int:

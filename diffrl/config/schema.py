@@ -547,7 +547,8 @@ class DataConfig:
 class SftConfig:
     """`diffrl sft`: supervised flow matching on (image, prompt) pairs; one image per data row per step."""
 
-    images: str = "image"  # the column with each row's image file (relative to its data file), or "shapes"
+    # the column with each row's image file (relative to its data file), "shapes", or "shapes_edit"
+    images: str = "image"
     weighting_scheme: str = "logit_normal"  # how training noise levels are drawn (diffusers' SD3 schemes)
     logit_mean: float = 0.0  # logit_normal: mean of the logit of the noise level
     logit_std: float = 1.0  # logit_normal: its std
@@ -559,7 +560,12 @@ class SftConfig:
     WEIGHTING_SCHEMES = ("logit_normal", "mode", "uniform", "sigma_sqrt", "cosmap")
 
     def validate(self, at: str) -> None:
-        require(bool(self.images), f"{at}.images", self.images, "must name an image column, or be 'shapes'")
+        require(
+            bool(self.images),
+            f"{at}.images",
+            self.images,
+            "must name an image column, or be 'shapes' or 'shapes_edit'",
+        )
         require_choice(f"{at}.weighting_scheme", self.weighting_scheme, self.WEIGHTING_SCHEMES)
         require_positive(f"{at}.logit_std", self.logit_std)
         require(

@@ -4,7 +4,10 @@ One step reads top to bottom:
 
     rows        data.prompts_per_step rows from the resumable data sampler
     images      each row's image file (`sft.images` names the column), or, with `sft.images=shapes`,
-                a fresh rendering of the row's shapes-world scene (an endless supply of new images)
+                a fresh rendering of the row's shapes-world scene (an endless supply of new images);
+                an image-edit model also gets each row's condition image(s): its `data.image_key`
+                images, or with `sft.images=shapes_edit` a fresh layout of the row's shapes edit
+                (the rendered source as the condition, the rendered target as the image)
     update      each worker encodes its share (VAE, or nothing in pixel space), draws per-sample
                 noise levels, noise and prompt dropout from (seed, step, sample), and accumulates
                 the flow-matching loss over micro-batches; one optimizer step
@@ -32,8 +35,9 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.preflight import preflight_common
 from diffrl.controller.run import job, print_report, run_loop
 from diffrl.data import PromptRecord, PromptSampler
-from diffrl.data.images import SHAPES, load_image_rows, open_image
+from diffrl.data.images import SHAPES, SHAPES_EDIT, load_image_rows, open_image
 from diffrl.files import check_output_dir, write_json
+from diffrl.models import adapter_class, read_model_index
 from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.workers.roles import ImageShard
@@ -69,13 +73,16 @@ class SupervisedTrainer(TrainingLoop):
         cfg, world = self.cfg, self.workers.size
         self.timer.reset()
         with self.timer.phase("data"):
-            records, pixels, self.data_state = self.loader.next(self.step)
+            records, pixels, conditions, self.data_state = self.loader.next(self.step)
         per_worker = len(records) // world
         shards = [
             ImageShard(
                 prompts=[r.prompt for r in records[rank * per_worker : (rank + 1) * per_worker]],
                 pixels=pixels[rank * per_worker : (rank + 1) * per_worker],
                 sample_offset=rank * per_worker,
+                conditions=None
+                if conditions is None
+                else conditions[rank * per_worker : (rank + 1) * per_worker],
             )
             for rank in range(world)
         ]
@@ -102,6 +109,10 @@ class ImageLoader:
 
     def __init__(self, cfg: Config, sampler: PromptSampler, depth: int = 3):
         self.cfg, self.sampler = cfg, sampler
+        # image-edit models train with each row's condition image(s)
+        self.conditioned = (
+            adapter_class(read_model_index(cfg.model.path)["_class_name"]).condition_rule is not None
+        )
         self.workers = cfg.sft.data_workers
         self.depth = depth if self.workers else 1
         self.pool = None
@@ -113,15 +124,24 @@ class ImageLoader:
             self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         self.queue: list[tuple[int, list[PromptRecord], dict, list]] = []
 
-    def next(self, step: int) -> tuple[list[PromptRecord], torch.Tensor, dict]:
-        """(records, uint8 [B, 3, H, W] images, sampler state after them) of `step`."""
+    def next(self, step: int) -> tuple[list[PromptRecord], torch.Tensor, list[list[Any]] | None, dict]:
+        """(records, uint8 [B, 3, H, W] images, each image's condition images (Pillow RGB; None for
+        a text-to-image model), sampler state after them) of `step`."""
         while len(self.queue) < self.depth:
             self._submit(step + len(self.queue))
         queued_step, records, state, parts = self.queue.pop(0)
         assert queued_step == step, (queued_step, step)
-        arrays = [p.result() if hasattr(p, "result") else p for p in parts]
-        pixels = torch.from_numpy(np.concatenate(arrays)).permute(0, 3, 1, 2).contiguous()
-        return records, pixels, state
+        arrays = np.concatenate([p.result() if hasattr(p, "result") else p for p in parts])
+        conditions = None
+        if self.cfg.sft.images == SHAPES_EDIT:  # [B, 2, H, W, 3]: the targets, then the sources
+            from PIL import Image
+
+            arrays, sources = arrays[:, 0], arrays[:, 1]
+            conditions = [[Image.fromarray(source)] for source in sources]
+        elif self.conditioned:
+            conditions = [[image.load() for image in r.images] for r in records]
+        pixels = torch.from_numpy(np.ascontiguousarray(arrays)).permute(0, 3, 1, 2).contiguous()
+        return records, pixels, conditions, state
 
     def _submit(self, step: int) -> None:
         cfg, pipe = self.cfg, self.cfg.rollout.pipeline
@@ -129,6 +149,8 @@ class ImageLoader:
         state = self.sampler.state_dict()
         if cfg.sft.images == SHAPES:
             rows = [r.metadata["scene"] for r in records]
+        elif cfg.sft.images == SHAPES_EDIT:
+            rows = [r.metadata["edit"] for r in records]
         else:
             rows = [str(image_file(r, cfg.sft.images)) for r in records]
         seeds = [derive_seed(SFT_STREAM, cfg.trainer.seed, step, i, 1) for i in range(len(records))]
@@ -183,15 +205,45 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Config rules of supervised training and every data row's image, before any model starts."""
     check_output_dir(cfg.trainer.output_dir, "trainer.output_dir")
     train, val = preflight_common(cfg)
+    pipe = cfg.rollout.pipeline
+    family = read_model_index(cfg.model.path)["_class_name"]
+    edit_model = adapter_class(family).condition_rule is not None
+    if cfg.sft.images == SHAPES_EDIT and not edit_model:
+        raise ValueError(
+            f"sft.images=shapes_edit trains an image-edit model on shapes edits, but model.path="
+            f"{cfg.model.path!r} is a {family}, which takes no condition image: use an edit model "
+            "(model.path=tiny:toy_edit, docs/shapes.md), or sft.images=shapes for a text-to-image model"
+        )
+    if cfg.sft.images == SHAPES and edit_model:
+        raise ValueError(
+            f"model.path={cfg.model.path!r} is a {family}, an image-edit model: each training image needs "
+            "its condition image, and sft.images=shapes renders scenes without one. Use sft.images=shapes_edit "
+            "with shapes edit rows (builtin:shapes_edit_train.jsonl), or a column of target images with "
+            "the rows' condition images in data.image_key"
+        )
+    if cfg.sft.images == SHAPES_EDIT and pipe.height != pipe.width:
+        raise ValueError(
+            f"sft.images=shapes_edit renders square images; rollout.pipeline is {pipe.width}x{pipe.height}: "
+            "set rollout.pipeline.height = width"
+        )
     for record in train:
-        if cfg.sft.images == SHAPES:
-            if not isinstance(record.metadata.get("scene"), dict):
+        if cfg.sft.images in (SHAPES, SHAPES_EDIT):
+            column = "scene" if cfg.sft.images == SHAPES else "edit"
+            if not isinstance(record.metadata.get(column), dict):
+                example = "shapes_train.jsonl" if cfg.sft.images == SHAPES else "shapes_edit_train.jsonl"
                 raise ValueError(
-                    f"{record.source}: sft.images=shapes needs a 'scene' column (a shapes-world scene, "
-                    "as in builtin:shapes_train.jsonl)"
+                    f"{record.source}: sft.images={cfg.sft.images} needs {'a' if column == 'scene' else 'an'} "
+                    f"{column!r} column (a shapes-world {column}, as in builtin:{example})"
                 )
+            if cfg.sft.images == SHAPES_EDIT:
+                from diffrl.toy.edit import EditExample
+
+                try:
+                    EditExample.from_dict(record.metadata["edit"])
+                except ValueError as err:
+                    raise ValueError(f"{record.source}: {err}") from None
         else:
-            check_image(record, cfg.sft.images, cfg.rollout.pipeline.height, cfg.rollout.pipeline.width)
+            check_image(record, cfg.sft.images, pipe.height, pipe.width)
     return train, val
 
 
@@ -216,20 +268,18 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
         )
         summary = run_loop(trainer, j.checkpoint)
         summary["model"] = j.workers.call("export_pipeline", str(j.run_dir / "model"))[0]
-        grammar = "shapes" if cfg.sft.images == "shapes" else None  # trained on the shapes world's prompts
+        grammar = "shapes" if cfg.sft.images == SHAPES else None  # trained on the shapes world's prompts
         write_sampling_file(Path(summary["model"]), settings_of_run(cfg.rollout, grammar))
         write_json(j.run_dir / "summary.json", summary)
         model, prompt = str(summary["model"]), EXAMPLE_PROMPTS[grammar]
-        command = [
-            "diffrl",
-            "sample",
-            "--model",
-            model,
-            "--prompt",
-            prompt,
-            "--out",
-            str(j.run_dir / "samples"),
-        ]
+        images: list[str] = []
+        if train_records[0].images:  # an edit model: a training row's instruction and source image
+            prompt = train_records[0].prompt
+            images = [
+                arg for i in train_records[0].images if i.path is not None for arg in ("--image", i.path)
+            ]
+        command = ["diffrl", "sample", "--model", model, "--prompt", prompt, *images]
+        command += ["--out", str(j.run_dir / "samples")]
         print(f"model written to {model}\n  sample from it: {shlex.join(command)}")
         print_report(j)
     return j.run_dir

@@ -86,7 +86,9 @@ def run_validation(
     videos = []
     if pixels.ndim == 5:  # [B, T, 3, H, W]: the grid shows first frames, the GIFs the motion
         videos = validation_videos(pixels, rows, folder / f"step_{step:06d}")
-    grid = validation_grid(pixels, rows, folder / f"step_{step:06d}.jsonl")
+    grid = validation_grid(
+        pixels, rows, folder / f"step_{step:06d}.jsonl", condition_pixels(records, n, pixels)
+    )
     save_png(folder / f"step_{step:06d}.png", grid)
     if logger is not None:
         logger.log_images(step, "val/samples", grid)
@@ -96,4 +98,24 @@ def run_validation(
     return metrics
 
 
-__all__ = ["run_validation"]
+def condition_pixels(records: Sequence[PromptRecord], n: int, pixels: torch.Tensor) -> torch.Tensor | None:
+    """uint8 [B, 3, H, W]: each sample's first condition image (its record's, samples `n` per record
+    in order) at the samples' size, for the grid; None without condition images or for videos."""
+    if not records or not records[0].images or pixels.ndim != 4:
+        return None
+    import numpy as np
+    from PIL import Image
+
+    height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
+    loaded = {}
+    for record in records:
+        image = record.images[0]
+        if image.key not in loaded:
+            picture = image.load()
+            if picture.size != (width, height):
+                picture = picture.resize((width, height), Image.Resampling.BICUBIC)
+            loaded[image.key] = torch.from_numpy(np.array(picture)).permute(2, 0, 1)
+    return torch.stack([loaded[r.images[0].key] for r in records for _ in range(n)])
+
+
+__all__ = ["condition_pixels", "run_validation"]

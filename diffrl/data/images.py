@@ -28,6 +28,8 @@ import numpy as np
 from diffrl.files import open_regular
 
 SHAPES = "shapes"
+#: `sft.images` value that renders shapes-world edits: the target, with the source as the condition.
+SHAPES_EDIT = "shapes_edit"
 
 #: Most pixels a condition image may have. The edit pipelines resize every condition image to about
 #: one megapixel (Qwen-Image-Edit: 1024² for the VAE; FLUX.1 Kontext: its preferred resolutions), so
@@ -199,7 +201,10 @@ def load_image_rows(
     source: str, rows: Sequence[dict | str], height: int, width: int, seeds: Sequence[int]
 ) -> np.ndarray:
     """uint8 [N, H, W, 3]. `source` "shapes": rows are scene dicts, rendered with a numpy generator
-    seeded by the row's seed; otherwise rows are image paths, checked to be H x W."""
+    seeded by the row's seed; "shapes_edit": rows are edit dicts (`EditExample.to_dict()`), each
+    drawn afresh from its seed (`diffrl.toy.edit.draw_example`: the row's edit, a new layout), and
+    the result is [N, 2, H, W, 3]: the target, then the source (the condition image); otherwise rows
+    are image paths, checked to be H x W."""
     images = []
     for row, seed in zip(rows, seeds, strict=True):
         if source == SHAPES:
@@ -207,6 +212,14 @@ def load_image_rows(
             from diffrl.toy.render import render
 
             images.append(render(Scene.from_dict(row), size=height, generator=np.random.default_rng(seed)))
+        elif source == SHAPES_EDIT:
+            from diffrl.toy.edit import EditExample, draw_example, render_example
+
+            edit = EditExample.from_dict(row).edit
+            condition, target = render_example(
+                draw_example(edit, height, np.random.default_rng(seed)), height
+            )
+            images.append(np.stack([target, condition]))
         else:
             with open_image(Path(row), "image") as image:
                 if image.size != (width, height):
@@ -218,4 +231,4 @@ def load_image_rows(
     return np.stack(images)
 
 
-__all__ = ["SHAPES", "ConditionImage", "load_image_rows", "open_image", "read_condition_image"]
+__all__ = ["SHAPES", "SHAPES_EDIT", "ConditionImage", "load_image_rows", "open_image", "read_condition_image"]

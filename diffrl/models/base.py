@@ -362,7 +362,8 @@ class ModelAdapter(ABC):
         `decode`), for supervised flow matching (`diffrl sft`). Families without it raise."""
         raise ValueError(
             f"{type(self).__name__} cannot encode images yet, so `diffrl sft` does not support it; "
-            "supervised fine-tuning supports the SD3 family (including the pixel-space toy model)"
+            "supervised fine-tuning supports the SD3 family (including the pixel-space toy model) and "
+            "the FLUX.1 family (FLUX.1, FLUX.1 Kontext, including the pixel-space shapes edit model)"
         )
 
     # ------------------------------------------------------------------------------ the reference

@@ -144,17 +144,34 @@ class FluxAdapter(ModelAdapter):
         )
 
     # ------------------------------------------------------------------------------ latents
+    @property
+    def pixel_space(self) -> bool:
+        """True for a pipeline without a VAE (the shapes edit task's toy model): the transformer
+        denoises pixels in [-1, 1], packed 2x2 like latents (3 channels -> 12 per token)."""
+        return getattr(self.pipe, "vae", None) is None
+
+    @property
+    def vae_scale_factor(self) -> int:
+        # The pipeline reports 8 when it has no VAE; pixel space has no downsampling at all.
+        return 1 if self.pixel_space else self.pipe.vae_scale_factor
+
     def _latent_hw(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
         """VAE latent (h, w) as the pipeline computes it; sizes it would silently resize are errors."""
         if num_frames != 1:
             raise ValueError(f"FLUX generates images: num_frames must be 1; got {num_frames}")
-        multiple = self.pipe.vae_scale_factor * 2
+        factor = self.vae_scale_factor
+        multiple = factor * 2
         if height <= 0 or width <= 0 or height % multiple or width % multiple:
             raise ValueError(
                 f"FLUX needs height and width that are positive multiples of {multiple} "
-                f"(VAE factor {self.pipe.vae_scale_factor} x 2x2 packing); got {height}x{width}"
+                f"(VAE factor {factor} x 2x2 packing); got {height}x{width}"
             )
         return 2 * (height // multiple), 2 * (width // multiple)
+
+    def pack(self, pixels_or_latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] -> packed tokens [B, (h/2)·(w/2), 4·C] (the pipeline's `_pack_latents`)."""
+        batch, channels, rows, cols = pixels_or_latents.shape
+        return self.pipe._pack_latents(pixels_or_latents, batch, channels, rows, cols)
 
     def latent_shape(self, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
         """Packed: ((H/16)·(W/16), 4·C) = (image_seq_len, transformer in_channels)."""
@@ -241,14 +258,36 @@ class FluxAdapter(ModelAdapter):
         return hidden, img_ids
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
-        """Packed latents -> uint8 [B, 3, H, W]: unpack, undo scaling/shift, VAE decode (as the pipeline)."""
+        """Packed latents -> uint8 [B, 3, H, W]: unpack, undo scaling/shift, VAE decode (as the
+        pipeline); in pixel space unpack and round."""
         self._latent_hw(height, width, num_frames)
-        vae = self.pipe.vae
         with torch.no_grad():
-            latents = self.pipe._unpack_latents(latents.float(), height, width, self.pipe.vae_scale_factor)
+            latents = self.pipe._unpack_latents(latents.float(), height, width, self.vae_scale_factor)
+            if self.pixel_space:
+                return to_uint8(latents)
+            vae = self.pipe.vae
             latents = latents / vae.config.scaling_factor + vae.config.shift_factor
             images = vae.decode(latents.to(self.device, vae.dtype), return_dict=False)[0]
         return to_uint8(images)
+
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """uint8 images [B, 3, H, W] -> fp32 packed latents, the inverse of `decode` (supervised
+        training): the VAE posterior's mode (a sample with a generator), `(z - shift_factor) ·
+        scaling_factor` as the FLUX training scripts, packed 2x2; in pixel space the pixels in
+        [-1, 1], packed."""
+        if pixels.dtype != torch.uint8 or pixels.ndim != 4 or pixels.shape[1] != 3:
+            raise ValueError(
+                f"encode takes uint8 images [B, 3, H, W]; got {pixels.dtype} {tuple(pixels.shape)}"
+            )
+        self._latent_hw(int(pixels.shape[2]), int(pixels.shape[3]), 1)
+        images = pixels.to(self.device, torch.float32) / 127.5 - 1.0
+        if self.pixel_space:
+            return self.pack(images)
+        vae = self.pipe.vae
+        with torch.no_grad():
+            posterior = vae.encode(images.to(vae.dtype)).latent_dist
+            z = posterior.mode() if generator is None else posterior.sample(generator)
+        return self.pack((z.float() - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
     # ------------------------------------------------------------------------------ facts
     def flops_per_forward(

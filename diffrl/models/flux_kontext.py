@@ -17,6 +17,11 @@ the Kontext model card) and the optional true CFG. The condition image enters as
 
 The output size is `rollout.pipeline.height x width`: the pipeline call passes `max_area=height·width`
 (the pipeline otherwise rescales the requested size to `max_area`, one megapixel by default).
+
+Pixel space: a pipeline saved without a VAE (the shapes edit task's toy model, `tiny:toy_edit`)
+denoises pixels packed 2x2 (`FluxAdapter.pixel_space`), and its condition image is the image's own
+pixels in [-1, 1], packed the same way at its own size (no resize). diffusers' pipeline cannot run
+such a directory (it VAE-encodes the condition image), so `pipeline_call` refuses it.
 """
 
 from __future__ import annotations
@@ -86,7 +91,9 @@ class FluxKontextAdapter(FluxAdapter):
                         f"FluxKontextPipeline takes exactly 1 condition image per prompt; got {len(row)}"
                     )
                 (image,) = row
-                if id(image) not in done:
+                if id(image) not in done and self.pixel_space:
+                    done[id(image)] = self._encode_pixels(image)
+                elif id(image) not in done:
                     width, height = kontext_size(
                         *image.size, multiple_of=multiple, auto_resize=self.auto_resize
                     )
@@ -106,6 +113,22 @@ class FluxKontextAdapter(FluxAdapter):
         text.cond_latents = torch.cat(latents)
         text.cond_shapes = torch.tensor(shapes, dtype=torch.long, device=self.device)
         return text
+
+    def _encode_pixels(self, image: Any) -> tuple[torch.Tensor, list[int]]:
+        """Pixel space (no VAE, the shapes edit toy model): the image at its own size, in [-1, 1] as
+        `encode` maps pixels, packed 2x2; no resize (the ~1 MP resize is the real model's training
+        resolution, not a pixel-space model's)."""
+        import numpy as np
+
+        width, height = image.size
+        if width % 2 or height % 2:
+            raise ValueError(
+                f"a pixel-space FluxKontextPipeline packs condition images 2x2: this one is {width}x{height}; "
+                "use even sides"
+            )
+        pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).unsqueeze(0)
+        packed = self.pack(pixels.to(self.device, torch.float32) / 127.5 - 1.0).to(self.dtype)
+        return packed, [height // 2, width // 2]
 
     def _with_condition(
         self, hidden: torch.Tensor, img_ids: torch.Tensor, cond: PromptEmbeds, cfg: bool
@@ -145,6 +168,11 @@ class FluxKontextAdapter(FluxAdapter):
         `_auto_resize`."""
         if images is None or len(images) != len(prompts):
             raise ValueError("FluxKontextPipeline needs one condition image per prompt")
+        if self.pixel_space:
+            raise ValueError(
+                "this FluxKontextPipeline has no VAE (pixel space, the shapes edit toy model), and diffusers' "
+                "pipeline VAE-encodes its condition image: there is no pipeline call to compare the sampler with"
+            )
         call = super().pipeline_call(
             prompts,
             negative_prompts,

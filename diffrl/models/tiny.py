@@ -21,6 +21,7 @@ TINY_BUILDERS: dict[str, str] = {
     "flux_kontext": "diffrl.models.flux_kontext",
     "wan": "diffrl.models.wan",
     "toy": "diffrl.toy.model",  # the shapes world's model, untrained (`diffrl sft` trains it)
+    "toy_edit": "diffrl.toy.edit_model:build_toy_edit",  # the shapes edit task's model, untrained
 }
 
 

@@ -8,7 +8,7 @@ are imported only when a reward that needs them is built. See docs/rewards.md.
 
 from typing import Any
 
-from diffrl.rewards import clip, edit, jpeg, ocr, remote, shapes, user  # noqa: F401  (registration on import)
+from diffrl.rewards import clip, edit, jpeg, ocr, remote, shapes, shapes_edit, user  # noqa: F401  (registration on import)
 from diffrl.rewards.base import ImageReward, Reward, RewardOutput, check_batch
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardError, RewardSpec, reward_specs
 from diffrl.rewards.registry import (

@@ -123,9 +123,16 @@ def grid_layout(rows: Sequence[Mapping[str, Any]], columns: int = GRID_COLUMNS) 
     return layout
 
 
-def validation_grid(pixels: Any, rows: Sequence[Mapping[str, Any]], samples_path: Path | None = None):
+def validation_grid(
+    pixels: Any,
+    rows: Sequence[Mapping[str, Any]],
+    samples_path: Path | None = None,
+    conditions: Any = None,
+):
     """The captioned grid of a validation (`grid_layout`, each tile with `sample_caption`); writes
-    `rows` to `samples_path` (JSON lines) first when given, for the report's per-category table."""
+    `rows` to `samples_path` (JSON lines) first when given, for the report's per-category table.
+    `conditions` (image-edit models): uint8 [B, 3, H, W], each sample's condition image at the
+    sample's size; each tile then shows it left of the result, a 2-pixel grey bar between them."""
     import numpy as np
     import torch
 
@@ -135,11 +142,19 @@ def validation_grid(pixels: Any, rows: Sequence[Mapping[str, Any]], samples_path
         samples_path.parent.mkdir(parents=True, exist_ok=True)
         samples_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     images = pixels.detach().cpu().numpy() if isinstance(pixels, torch.Tensor) else np.asarray(pixels)
+    scale = max(1, -(-GRID_MIN_TILE // max(images.shape[-2:])))
+    if conditions is not None and images.ndim == 4:
+        sources = conditions.numpy() if isinstance(conditions, torch.Tensor) else np.asarray(conditions)
+        if sources.shape != images.shape:
+            raise ValueError(
+                f"validation_grid: conditions {sources.shape} must have the samples' shape {images.shape}"
+            )
+        bar = np.full((*images.shape[:3], 2), 160, dtype=images.dtype)
+        images = np.concatenate([sources, bar, images], axis=3)
     layout = grid_layout(rows)
     blank = np.full_like(images[0], 255)
     tiles = np.stack([images[i] if i is not None else blank for i in layout])
     captions = [sample_caption(rows[i]) if i is not None else "" for i in layout]
-    scale = max(1, -(-GRID_MIN_TILE // max(images.shape[-2:])))
     return image_grid(
         tiles,
         nrow=GRID_COLUMNS,

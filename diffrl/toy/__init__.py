@@ -11,6 +11,10 @@ can be trained, rewarded and evaluated end to end on a CPU:
 - `verify`: `verify(image, scene)` reads an image and checks every constraint of the scene
   (the `shapes` reward, `diffrl.rewards.shapes`, is this verifier).
 - `model`: the tiny pixel-space SD3 trained on the renderer's images.
+- `edit`: the edit task: an instruction that changes one thing of a source scene (`Edit`), its
+  concrete layouts (`draw_example`), the train / held-out split of instructions and the built-in
+  edit prompt files; `edit_verify`: the result's check (the `shapes_edit` reward); `edit_model`:
+  the tiny pixel-space FLUX.1 Kontext that `diffrl sft shapes_edit_sft` trains.
 
 docs/shapes.md is the user guide. Submodules are imported explicitly (`from diffrl.toy.grammar
 import Scene`), so importing one never pulls in diffusers.

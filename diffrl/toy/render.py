@@ -24,7 +24,7 @@ negative example, which the verifier must reject.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -55,16 +55,16 @@ _SHRINK = 0.9  # object sizes shrink by this after every _TRIES_PER_SCALE failed
 _COLORS = list(PALETTE.values())
 
 
-def _layout(scene: Scene, size: int, rng: np.random.Generator) -> list[tuple[str, tuple[int, ...], Box]]:
-    """(shape, rgb, box) of every object of `scene`; objects of objects[0] come first."""
+def layout(scene: Scene, size: int, rng: np.random.Generator) -> list[tuple[str, tuple[int, ...], Box]]:
+    """(shape, rgb, box in pixels) of every object of `scene`, objects of objects[0] first: the layout
+    `render` draws (the same draws from `rng`)."""
     items: list[tuple[str, tuple[int, ...]]] = []
     for spec in scene.objects:
         for _ in range(spec.count):
             rgb = PALETTE[spec.color] if spec.color else _COLORS[int(rng.integers(len(_COLORS)))]
             items.append((spec.shape, rgb))
     gap = max(2.0, GAP * size)
-    lo = max(SIZE_RANGE[0] * size, MIN_SIDE_PX)
-    hi = max(SIZE_RANGE[1] * size, lo)
+    lo, hi = side_range(size)
     scale = 1.0
     for attempt in range(20 * _TRIES_PER_SCALE):
         if attempt and attempt % _TRIES_PER_SCALE == 0:
@@ -84,6 +84,37 @@ def _layout(scene: Scene, size: int, rng: np.random.Generator) -> list[tuple[str
             if scene.relation is None or relation_holds(scene.relation, boxes[0], boxes[1], RENDER_MIN_COS):
                 return [(shape, rgb, box) for (shape, rgb), box in zip(items, boxes, strict=True)]
     raise AssertionError(f"no layout found for {scene} at size {size}")  # the rules always fit at >= MIN_SIZE
+
+
+def side_range(size: int) -> tuple[float, float]:
+    """(smallest, largest) object box side in pixels at image side `size` (`SIZE_RANGE`, at least
+    `MIN_SIDE_PX`), as `layout` draws them."""
+    lo = max(SIZE_RANGE[0] * size, MIN_SIDE_PX)
+    return lo, max(SIZE_RANGE[1] * size, lo)
+
+
+def free_box(
+    side: float,
+    taken: Sequence[Box],
+    size: int,
+    rng: np.random.Generator,
+    accept: Callable[[Box], bool] | None = None,
+    tries: int = _TRIES_PER_SCALE,
+) -> Box | None:
+    """A box of `side` pixels at a uniform position, at least the layout's gap (`GAP`, 2 px) from
+    every box of `taken`, for which `accept` (when given) holds; None after `tries` failed draws."""
+    gap = max(2.0, GAP * size)
+    for _ in range(tries):
+        x0, y0 = rng.uniform(1.0, size - 1.0 - side, size=2)
+        box = (float(x0), float(y0), float(x0) + side, float(y0) + side)
+        if any(
+            box[0] < b[2] + gap and b[0] < box[2] + gap and box[1] < b[3] + gap and b[1] < box[3] + gap
+            for b in taken
+        ):
+            continue
+        if accept is None or accept(box):
+            return box
+    return None
 
 
 def _draw(draw: ImageDraw.ImageDraw, shape: str, box: Box, rgb: tuple[int, ...], scale: int) -> None:
@@ -110,10 +141,16 @@ def render(scene: Scene, size: int = 64, generator: np.random.Generator | None =
         )
     if isinstance(size, bool) or not isinstance(size, int) or size < MIN_SIZE:
         raise ValueError(f"size={size!r} is invalid: use an integer >= {MIN_SIZE} (the toy model uses 32)")
+    return draw_objects(layout(scene, size, generator), size)
+
+
+def draw_objects(objects: Sequence[tuple[str, tuple[int, ...], Box]], size: int) -> np.ndarray:
+    """uint8 [size, size, 3]: the (shape, rgb, box in pixels) `objects` on the white background,
+    drawn `SUPERSAMPLE` times larger and box-filtered down (what `render` draws for a layout)."""
     big = size * SUPERSAMPLE
     image = Image.new("RGB", (big, big), BACKGROUND)
     draw = ImageDraw.Draw(image)
-    for shape, rgb, box in _layout(scene, size, generator):
+    for shape, rgb, box in objects:
         _draw(draw, shape, box, rgb, SUPERSAMPLE)
     return np.array(image.reduce(SUPERSAMPLE))
 

@@ -277,7 +277,9 @@ def check_scene(objects: Sequence[DetectedObject], scene: Scene) -> Verdict:
     return Verdict(all(checks.values()), score, {"checks": checks, "objects": list(objects)})
 
 
-def _as_hw3(image: np.ndarray | torch.Tensor) -> torch.Tensor:
+def as_hw3(image: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """One image as a uint8 tensor [H, W, 3] (what `detect_batch` takes), from a numpy array
+    [H, W, 3] or a tensor [3, H, W]; a ValueError naming the layout otherwise."""
     if isinstance(image, torch.Tensor):
         if image.ndim != 3 or image.shape[0] != 3:
             raise ValueError(
@@ -307,22 +309,28 @@ def _check_scene_arg(scene: Any) -> Scene:
 
 def verify(image: np.ndarray | torch.Tensor, scene: Scene) -> Verdict:
     """Check one image (uint8 numpy [H, W, 3] or tensor [3, H, W]) against `scene`."""
-    objects = detect_batch(_as_hw3(image).unsqueeze(0))[0]
+    objects = detect_batch(as_hw3(image).unsqueeze(0))[0]
     return check_scene(objects, _check_scene_arg(scene))
 
 
-def verify_batch(pixels: torch.Tensor, scenes: Sequence[Scene]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(correct_B bool, score_B float32) for uint8 images [B, 3, H, W] and their B scenes."""
+def detect_pixels(pixels: torch.Tensor, count: int, what: str) -> list[list[DetectedObject]]:
+    """`detect_batch` of uint8 images [B, 3, H, W], checked to be that and B = `count` (the number
+    of `what` they are judged against)."""
     if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8 or pixels.ndim != 4:
         raise ValueError(
             f"pixels must be a uint8 tensor [B, 3, H, W], got {getattr(pixels, 'shape', pixels)!r}"
         )
-    if pixels.shape[1] != 3 or pixels.shape[0] != len(scenes):
+    if pixels.shape[1] != 3 or pixels.shape[0] != count:
         raise ValueError(
-            f"pixels must be [B, 3, H, W] with B = len(scenes) = {len(scenes)}; got {tuple(pixels.shape)}"
+            f"pixels must be [B, 3, H, W] with B = len({what}) = {count}; got {tuple(pixels.shape)}"
         )
+    return detect_batch(pixels.detach().cpu().permute(0, 2, 3, 1))
+
+
+def verify_batch(pixels: torch.Tensor, scenes: Sequence[Scene]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct_B bool, score_B float32) for uint8 images [B, 3, H, W] and their B scenes."""
     scenes = [_check_scene_arg(s) for s in scenes]
-    detected = detect_batch(pixels.detach().cpu().permute(0, 2, 3, 1))
+    detected = detect_pixels(pixels, len(scenes), "scenes")
     verdicts = [check_scene(objs, scene) for objs, scene in zip(detected, scenes, strict=True)]
     return (
         torch.tensor([v.correct for v in verdicts], dtype=torch.bool),

@@ -49,6 +49,8 @@ class ImageShard:
     prompts: list[str]
     pixels: torch.Tensor  # uint8 [B, 3, H, W]
     sample_offset: int
+    # image-edit models: each image's condition images (Pillow RGB), what its prompt edits
+    conditions: list[list[Any]] | None = None
 
 
 # Prompt embeddings kept per worker for supervised training; a dataset's prompts repeat every epoch.
@@ -139,9 +141,18 @@ class ActorWorker:
             sample_offset=shard.sample_offset,
         )
         sigmas_B, noise = draws.sigmas_B.to(adapter.device), draws.noise.to(adapter.device)
-        cond = self._prompt_embeds(
-            ["" if drop else p for p, drop in zip(shard.prompts, draws.dropped, strict=True)]
-        )
+        prompts = ["" if drop else p for p, drop in zip(shard.prompts, draws.dropped, strict=True)]
+        if adapter.condition_rule is None:
+            cond = self._prompt_embeds(prompts)
+        elif shard.conditions is None:
+            raise ValueError(
+                f"{adapter.pipeline_class_name} edits images: supervised training needs each image's "
+                "condition image (the rows' data.image_key images, or sft.images=shapes_edit)"
+            )
+        else:  # each image its own condition (a fresh rendering, or a row's file): no cache
+            cond = adapter.encode_conditioned(
+                prompts, None, self.cfg.rollout.pipeline.max_sequence_length, shard.conditions
+            )
         micro = cfg.actor.micro_batch_size
         batches = [
             FlowMatchingBatch(

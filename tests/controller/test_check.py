@@ -44,11 +44,11 @@ SAMPLING_ROWS = (
 
 def cpu_presets() -> list[str]:
     """Presets whose model is built in (toy: or tiny:), i.e. that run on a CPU without downloads;
-    `shapes_sft` trains with `diffrl sft`, not the RL loop `diffrl check` checks."""
+    `shapes_sft` and `shapes_edit_sft` train with `diffrl sft`, not the RL loop `diffrl check` checks."""
     names = []
     for name in preset_names():
         path = load_config(name, []).model.path
-        if path.startswith(("toy:", "tiny:")) and name != "shapes_sft":
+        if path.startswith(("toy:", "tiny:")) and name not in ("shapes_sft", "shapes_edit_sft"):
             names.append(name)
     return names
 

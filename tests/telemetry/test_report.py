@@ -211,3 +211,23 @@ def test_nice_ticks_refuses_an_empty_or_reversed_range():
         nice_ticks(1.0, 0.0)
     with pytest.raises(ValueError, match="finite"):
         nice_ticks(0.0, float("nan"))
+
+
+def test_validation_grid_shows_each_condition_image_left_of_its_result(tmp_path):
+    from diffrl.telemetry.report import validation_grid, validation_samples
+
+    prompts, sources, pixels, scores, _ = _shapes_validation(0, wrong=set())
+    rows = validation_samples(prompts, sources, scores.total_B, scores.extras)
+    conditions = 255 - pixels  # any images of the samples' shape
+    grid = validation_grid(pixels, rows, conditions=conditions)
+    tile = 96  # enlarged 3x, as without conditions: the tile is as high, and 2 x 32 + 2 wide
+    first = grid[2 : 2 + tile, 2 : 2 + 3 * 66]
+    np.testing.assert_array_equal(
+        first[:, :tile], conditions[0].permute(1, 2, 0).numpy().repeat(3, 0).repeat(3, 1)
+    )
+    assert (first[:, tile : tile + 6] == 160).all()  # the grey bar
+    np.testing.assert_array_equal(
+        first[:, tile + 6 :], pixels[0].permute(1, 2, 0).numpy().repeat(3, 0).repeat(3, 1)
+    )
+    with pytest.raises(ValueError, match="must have the samples' shape"):
+        validation_grid(pixels, rows, conditions=conditions[:, :, :16])
