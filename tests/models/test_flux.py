@@ -142,6 +142,20 @@ def test_decode_equals_pipeline(adapter):
     assert pixels.float().std() > 1  # not a constant image
 
 
+def test_encode_is_the_training_scripts_packed_latent(adapter):
+    """`diffrl sft`'s encoder: the VAE posterior's mode, (z - shift) * scale, packed as the pipeline packs."""
+    pixels = (torch.arange(2 * 3 * 64 * 32) % 251).to(torch.uint8).reshape(2, 3, 64, 32)
+    latents = adapter.encode(pixels)
+    assert latents.shape == (2, *adapter.latent_shape(64, 32)) and latents.dtype == torch.float32
+    vae = adapter.pipe.vae
+    with torch.no_grad():
+        z = vae.encode(pixels.float() / 127.5 - 1).latent_dist.mode()
+    expected = (z - vae.config.shift_factor) * vae.config.scaling_factor
+    torch.testing.assert_close(latents, adapter.pipe._pack_latents(expected, 2, 16, 8, 4))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        adapter.encode(pixels[..., :24])
+
+
 @pytest.mark.parametrize(("height", "width", "cfg"), [(32, 32, False), (64, 32, True)])
 def test_flops_match_flop_counter(adapter, height, width, cfg):
     """The analytic count equals torch's FlopCounterMode on the real forward.
