@@ -9,7 +9,10 @@ of integers).
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from diffrl.lazy import lazy_import
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 # Stream tags, always the FIRST key: (stream, seed, ...). Two purposes can then never share a
 # stream, whatever their other keys are.

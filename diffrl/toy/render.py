@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
+from diffrl.lazy import lazy_import
 from diffrl.seeding import derive_seed
 from diffrl.toy.grammar import (
     BACKGROUND,
@@ -43,6 +43,8 @@ from diffrl.toy.grammar import (
     Scene,
     relation_holds,
 )
+
+torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 SIZE_RANGE = (0.18, 0.30)  # object box side, fraction of the image side
 MIN_SIDE_PX = 8.0  # ... but never below this many pixels
