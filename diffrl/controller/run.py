@@ -7,12 +7,13 @@ cannot start.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,17 +132,51 @@ def _job_processes(cfg: Config, model_workers: int, use_ray: bool) -> Iterator[A
         restore_threads()
 
 
-def _start_rewards(cfg: Config, stack: ExitStack, use_ray: bool, threads: Any) -> Any:
-    """The reward workers, closed with `stack`; None without reward functions (offline DPO may run
+def _start_rewards(cfg: Config, use_ray: bool, threads: Any) -> tuple[Any, Callable[[], None] | None]:
+    """The reward workers and their close; None without reward functions (offline DPO may run
     without rewards: no validation then)."""
     from diffrl.rewards.workers import create_reward_workers
     from diffrl.workers.threads import thread_env
 
     if not cfg.reward.functions:
-        return None
+        return None, None
     rewards = create_reward_workers(cfg.reward, use_ray=use_ray, env_vars=thread_env(threads.reward))
-    stack.callback(rewards.close)
-    return rewards
+    return rewards, rewards.close
+
+
+def _start_together(
+    stack: ExitStack, *starts: Callable[[], tuple[Any, Callable[[], None] | None]]
+) -> list[Any]:
+    """Run each `start` (returning what it started and its close) in a thread of its own; close
+    every started one with `stack`, also when another start failed; then re-raise the first failure.
+
+    Why: each Ray pool's start waits for its actors' constructors, which import torch and load the
+    model (tens of seconds on a GPU host for a real model, seconds on a laptop); the trainer pool, the
+    rollout pool and the reward workers do not depend on each other, so their starts overlap."""
+    if len(starts) == 1:  # nothing to overlap: in the caller's thread (an in-process worker's home)
+        value, close = starts[0]()
+        if close is not None:
+            stack.callback(close)
+        return [value]
+    executor = concurrent.futures.ThreadPoolExecutor(len(starts), thread_name_prefix="diffrl-start")
+    futures = [executor.submit(start) for start in starts]
+    try:
+        concurrent.futures.wait(futures)
+    finally:
+        executor.shutdown(wait=True)  # also on Ctrl-C: each start ends within its own deadline
+        started, failures = [], []
+        for future in futures:
+            if future.exception() is not None:
+                failures.append(future.exception())
+                started.append(None)
+                continue
+            value, close = future.result()
+            if close is not None:
+                stack.callback(close)
+            started.append(value)
+    if failures:
+        raise failures[0]
+    return started
 
 
 @contextmanager
@@ -159,22 +194,32 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     with ExitStack() as stack:
         with progress(f"starting {world} worker(s) and loading {cfg.model.path}"):
             threads = stack.enter_context(_job_processes(cfg, world, use_ray))
-            if use_ray:
-                gpus = 1.0 if torch.cuda.is_available() else 0.0
-                workers = RayGroup(
-                    HybridWorker,
-                    world,
-                    cfg,
-                    num_cpus=1.0,
-                    num_gpus=gpus,
-                    env_vars=thread_env(threads.worker),
-                    **roles,
-                )
-            else:
-                workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
-            stack.callback(workers.shutdown)
-            workers.timeout_s = cfg.trainer.worker_timeout_s
-        yield workers, _start_rewards(cfg, stack, use_ray, threads)
+
+            def start_workers() -> tuple[WorkerGroup, Callable[[], None]]:
+                if use_ray:
+                    gpus = 1.0 if torch.cuda.is_available() else 0.0
+                    workers = RayGroup(
+                        HybridWorker,
+                        world,
+                        cfg,
+                        num_cpus=1.0,
+                        num_gpus=gpus,
+                        env_vars=thread_env(threads.worker),
+                        **roles,
+                    )
+                else:
+                    workers = InProcessGroup(HybridWorker, 1, cfg, synchronous=True, **roles)
+                workers.timeout_s = cfg.trainer.worker_timeout_s
+                return workers, workers.shutdown
+
+            def start_rewards() -> tuple[Any, Callable[[], None] | None]:
+                return _start_rewards(cfg, use_ray, threads)
+
+            # on Ray, the model workers and the reward workers start at once; in this process, in turn
+            starts = [start_workers, start_rewards] if use_ray else [start_workers]
+            started = _start_together(stack, *starts)
+        workers, rewards = started if use_ray else (started[0], _start_together(stack, start_rewards)[0])
+        yield workers, rewards
 
 
 @contextmanager
@@ -199,34 +244,38 @@ def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
         ):
             threads = stack.enter_context(_job_processes(cfg, world + replicas, use_ray=True))
 
-            def pool(cls: type, size: int, gpus: float, resources: dict, **options: Any) -> RayGroup:
-                group = RayGroup(
-                    cls,
-                    size,
-                    cfg,
-                    num_cpus=1.0,
-                    num_gpus=gpus if has_gpu else 0.0,
-                    resources=resources,
-                    env_vars=thread_env(threads.worker),
-                    **options,
-                )
-                stack.callback(group.shutdown)
-                group.timeout_s = cfg.trainer.worker_timeout_s
-                return group
+            def pool(cls: type, size: int, gpus: float, resources: dict, **options: Any):
+                def start() -> tuple[RayGroup, Callable[[], None]]:
+                    group = RayGroup(
+                        cls,
+                        size,
+                        cfg,
+                        num_cpus=1.0,
+                        num_gpus=gpus if has_gpu else 0.0,
+                        resources=resources,
+                        env_vars=thread_env(threads.worker),
+                        **options,
+                    )
+                    group.timeout_s = cfg.trainer.worker_timeout_s
+                    return group, group.shutdown
 
-            trainer = pool(
-                ActorWorker, world, cfg.trainer.gpus_per_worker, cfg.trainer.ray_resources, **roles
-            )
-            rollout = pool(
-                RolloutWorker,
-                replicas,
-                cfg.rollout.gpus_per_replica,
-                cfg.rollout.ray_resources,
-                with_old=bool(roles.get("with_old", False)),
+                return start
+
+            trainer, rollout, rewards = _start_together(
+                stack,
+                pool(ActorWorker, world, cfg.trainer.gpus_per_worker, cfg.trainer.ray_resources, **roles),
+                pool(
+                    RolloutWorker,
+                    replicas,
+                    cfg.rollout.gpus_per_replica,
+                    cfg.rollout.ray_resources,
+                    with_old=bool(roles.get("with_old", False)),
+                ),
+                lambda: _start_rewards(cfg, True, threads),
             )
             placement = Separate(cfg, trainer, rollout, backend=sync_backend(cfg, has_gpu))
             stack.callback(placement.shutdown)
-        yield placement, _start_rewards(cfg, stack, True, threads)
+        yield placement, rewards
 
 
 def _lock(run_dir: Path) -> int:
