@@ -58,6 +58,8 @@ def test_settings_keys_are_unique_and_validate_themselves():
         spec.settings().validate("actor.loss")  # the defaults are valid
 
 
-@pytest.mark.parametrize("spec", [s for s in algorithms() if isinstance(s, DirectPreferenceSpec)], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec", [s for s in algorithms() if isinstance(s, DirectPreferenceSpec)], ids=lambda s: s.name
+)
 def test_direct_preference_algorithms_name_their_term(spec):
     assert callable(spec.term)
