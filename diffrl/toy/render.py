@@ -73,13 +73,8 @@ def layout(scene: Scene, size: int, rng: np.random.Generator) -> list[tuple[str,
             scale *= _SHRINK
         boxes: list[Box] = []
         for _ in items:
-            side = float(rng.uniform(lo, hi)) * scale
-            x0, y0 = rng.uniform(1.0, size - 1.0 - side, size=2)
-            box = (float(x0), float(y0), float(x0) + side, float(y0) + side)
-            if any(
-                box[0] < b[2] + gap and b[0] < box[2] + gap and box[1] < b[3] + gap and b[1] < box[3] + gap
-                for b in boxes
-            ):
+            box = _uniform_box(float(rng.uniform(lo, hi)) * scale, size, rng)
+            if _too_close(box, boxes, gap):
                 break
             boxes.append(box)
         else:
@@ -107,16 +102,24 @@ def free_box(
     every box of `taken`, for which `accept` (when given) holds; None after `tries` failed draws."""
     gap = max(2.0, GAP * size)
     for _ in range(tries):
-        x0, y0 = rng.uniform(1.0, size - 1.0 - side, size=2)
-        box = (float(x0), float(y0), float(x0) + side, float(y0) + side)
-        if any(
-            box[0] < b[2] + gap and b[0] < box[2] + gap and box[1] < b[3] + gap and b[1] < box[3] + gap
-            for b in taken
-        ):
-            continue
-        if accept is None or accept(box):
+        box = _uniform_box(side, size, rng)
+        if not _too_close(box, taken, gap) and (accept is None or accept(box)):
             return box
     return None
+
+
+def _uniform_box(side: float, size: int, rng: np.random.Generator) -> Box:
+    """A square box of `side` pixels at a uniform position at least 1 px inside the image."""
+    x0, y0 = rng.uniform(1.0, size - 1.0 - side, size=2)
+    return (float(x0), float(y0), float(x0) + side, float(y0) + side)
+
+
+def _too_close(box: Box, others: Sequence[Box], gap: float) -> bool:
+    """Whether `box` comes within `gap` pixels of one of `others` (on both axes at once)."""
+    return any(
+        box[0] < b[2] + gap and b[0] < box[2] + gap and box[1] < b[3] + gap and b[1] < box[3] + gap
+        for b in others
+    )
 
 
 def _draw(draw: ImageDraw.ImageDraw, shape: str, box: Box, rgb: tuple[int, ...], scale: int) -> None:
