@@ -37,7 +37,7 @@ from diffrl.controller.run import job, print_report, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import SHAPES, SHAPES_EDIT, load_image_rows, open_image
 from diffrl.files import check_output_dir, write_json
-from diffrl.models import adapter_class, read_model_index
+from diffrl.models import edits_images, read_model_index
 from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.workers.roles import ImageShard
@@ -110,9 +110,7 @@ class ImageLoader:
     def __init__(self, cfg: Config, sampler: PromptSampler, depth: int = 3):
         self.cfg, self.sampler = cfg, sampler
         # image-edit models train with each row's condition image(s)
-        self.conditioned = (
-            adapter_class(read_model_index(cfg.model.path)["_class_name"]).condition_rule is not None
-        )
+        self.conditioned = edits_images(cfg.model.path)
         self.workers = cfg.sft.data_workers
         self.depth = depth if self.workers else 1
         self.pool = None
@@ -207,7 +205,7 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     train, val = preflight_common(cfg)
     pipe = cfg.rollout.pipeline
     family = read_model_index(cfg.model.path)["_class_name"]
-    edit_model = adapter_class(family).condition_rule is not None
+    edit_model = edits_images(cfg.model.path)
     if cfg.sft.images == SHAPES_EDIT and not edit_model:
         raise ValueError(
             f"sft.images=shapes_edit trains an image-edit model on shapes edits, but model.path="

@@ -136,6 +136,12 @@ def read_model_index(path: str | Path) -> dict:
     return index
 
 
+def edits_images(path: str | Path) -> bool:
+    """Whether the model at `path` is an image-edit model (its family has a `condition_rule`: each
+    prompt comes with condition images), read from its model_index.json without loading it."""
+    return adapter_class(read_model_index(path)["_class_name"]).condition_rule is not None
+
+
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu") -> ModelAdapter:
     """Load the diffusers pipeline at `path` and wrap it in its family's adapter."""
     if dtype not in DTYPES:
@@ -150,6 +156,7 @@ __all__ = [
     "ModelAdapter",
     "PromptEmbeds",
     "adapter_class",
+    "edits_images",
     "load_model",
     "read_model_index",
     "resolve_model_path",

@@ -280,9 +280,9 @@ class ExportResult:
     @property
     def edits_images(self) -> bool:
         """Whether the base model is an image-edit model (its `diffrl sample` needs --image)."""
-        from diffrl.models import adapter_class, read_model_index
+        from diffrl.models import edits_images
 
-        return adapter_class(read_model_index(self.base_model)["_class_name"]).condition_rule is not None
+        return edits_images(self.base_model)
 
     def sample_command(self) -> str:
         """A `diffrl sample` command that works as printed (an edit model's once IMAGE names the
