@@ -91,9 +91,11 @@ class FluxKontextAdapter(FluxAdapter):
                         f"FluxKontextPipeline takes exactly 1 condition image per prompt; got {len(row)}"
                     )
                 (image,) = row
-                if id(image) not in done and self.pixel_space:
+                if id(image) in done:
+                    pass
+                elif self.pixel_space:
                     done[id(image)] = self._encode_pixels(image)
-                elif id(image) not in done:
+                else:
                     width, height = kontext_size(
                         *image.size, multiple_of=multiple, auto_resize=self.auto_resize
                     )
@@ -127,8 +129,7 @@ class FluxKontextAdapter(FluxAdapter):
                 "use even sides"
             )
         pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).unsqueeze(0)
-        packed = self.pack(pixels.to(self.device, torch.float32) / 127.5 - 1.0).to(self.dtype)
-        return packed, [height // 2, width // 2]
+        return self.encode(pixels).to(self.dtype), [height // 2, width // 2]
 
     def _with_condition(
         self, hidden: torch.Tensor, img_ids: torch.Tensor, cond: PromptEmbeds, cfg: bool
