@@ -232,17 +232,26 @@ def _joined_extras(parts: Sequence[Rollout | RolloutSummary]) -> dict:
     }
 
 
-@torch.no_grad()
 def evaluate_window(
-    adapter: ModelAdapter, rollout: Rollout, micro_batch_size: int
+    adapter: ModelAdapter, rollout: Rollout, micro_batch_size: int, *, as_trained: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log_probs_BW, means [B, W, ...]) of every window step, micro-batch by micro-batch, no grad."""
+    """(log_probs_BW, means [B, W, ...]) of every window step, micro-batch by micro-batch, detached.
+
+    No grad by default. `as_trained` computes each step with grad on, as the update's forward
+    does, and drops the autograd graph at once: compiled blocks run a different graph with grad
+    (partitioned for the backward, fused and so rounded differently), so only this reproduces
+    bit for bit what the trainer's first forward computes (and what a compiled sampler stores,
+    `TrajectorySampler._trained_slices`). Eager kernels are the same either way."""
     log_probs, means = [], []
     for start in range(0, len(rollout), micro_batch_size):
         mb = rollout.select(slice(start, start + micro_batch_size))
-        outs = [evaluate_step(adapter, mb, j) for j in range(rollout.window_size)]
-        log_probs.append(torch.stack([o.log_prob_B for o in outs], dim=1))
-        means.append(torch.stack([o.mean for o in outs], dim=1))
+        steps = []
+        for j in range(rollout.window_size):
+            with torch.enable_grad() if as_trained else torch.no_grad():
+                out = evaluate_step(adapter, mb, j)
+            steps.append((out.log_prob_B.detach(), out.mean.detach()))  # one step's graph at a time
+        log_probs.append(torch.stack([lp for lp, _ in steps], dim=1))
+        means.append(torch.stack([m for _, m in steps], dim=1))
     return torch.cat(log_probs), torch.cat(means)
 
 

@@ -147,7 +147,9 @@ def _log_prob_rows(cfg: Config, group: list[PromptRecord], *, sample, recompute)
         metadata=[r.metadata for r in group],
         images=_images(group),
     )
-    recomputed, _ = recompute(rollout)
+    # A run that reuses the sampled log-probs compares them with its update's first forward (grad
+    # on: another graph than no-grad when compiled); one that recomputes, with its no-grad pass.
+    recomputed, _ = recompute(rollout, as_trained=cfg.reuses_rollout_log_probs)
     steps = rollout.step_indices.tolist()
     return log_probs_vs_trainer(cfg, rollout.samples.log_probs_BW, recomputed, steps)
 

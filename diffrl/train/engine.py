@@ -432,11 +432,18 @@ class TrainEngine:
         self.optim_steps += 1
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
 
-    @torch.no_grad()
-    def log_probs(self, rollout: Rollout, policy: str = POLICY, micro_batch_size: int | None = None):
-        """(log_probs_BW, means [B, W, ...]) of the rollout's window steps under `policy`, no grad."""
+    def log_probs(
+        self,
+        rollout: Rollout,
+        policy: str = POLICY,
+        micro_batch_size: int | None = None,
+        as_trained: bool = False,
+    ):
+        """(log_probs_BW, means [B, W, ...]) of the rollout's window steps under `policy`, detached:
+        no grad, or with `as_trained` the update's own forward (`transition.evaluate_window`)."""
         with self._resharded_after(), self.use_policy(policy):
-            return evaluate_window(self.adapter, rollout, micro_batch_size or self.cfg.micro_batch_size)
+            micro = micro_batch_size or self.cfg.micro_batch_size
+            return evaluate_window(self.adapter, rollout, micro, as_trained=as_trained)
 
     # ------------------------------------------------------------------------------ state
     def save(self, root: str | Path, step: int, extra: dict, keep_last: int) -> Path:

@@ -256,8 +256,11 @@ class ActorWorker:
             list(prompts), None, max_sequence_length=self.cfg.rollout.pipeline.max_sequence_length
         ).to("cpu")
 
-    def log_probs(self, rollout: Rollout, policy: str = POLICY) -> tuple[torch.Tensor, torch.Tensor]:
-        log_probs, means = self.engine.log_probs(rollout.to(self.engine.adapter.device), policy)
+    def log_probs(
+        self, rollout: Rollout, policy: str = POLICY, as_trained: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rollout = rollout.to(self.engine.adapter.device)
+        log_probs, means = self.engine.log_probs(rollout, policy, as_trained=as_trained)
         return log_probs.cpu(), means.cpu()
 
     # ------------------------------------------------- the step's rollout, held here (policy gradient)

@@ -125,11 +125,43 @@ def test_a_dropped_shift_fails_the_pipeline_and_shift_checks(monkeypatch):
     assert "StableDiffusion3Pipeline" in report.row("shift (timesteps)").note
 
 
-def _bf16_transition(adapter, rollout, micro_batch_size):
+def _bf16_transition(adapter, rollout, micro_batch_size, **kwargs):
     """The trainer replays the bf16-rounded transition while the sampler computed on fp32 latents."""
     samples = rollout.samples.clone()
     samples.window_latents = samples.window_latents.bfloat16().float()
-    return evaluate_window(adapter, replace(rollout, samples=samples), micro_batch_size)
+    return evaluate_window(adapter, replace(rollout, samples=samples), micro_batch_size, **kwargs)
+
+
+@pytest.mark.parametrize(("overrides", "as_trained"), [([], True), (["algorithm.old_log_probs=recompute"], False)])
+def test_the_log_prob_rows_compare_with_the_pass_the_run_takes_its_old_log_probs_from(
+    monkeypatch, overrides, as_trained
+):
+    # Reused, the sampled log-probs meet the update's first forward (grad on: under compilation
+    # another graph than no-grad, which the sampler's window steps run through); recomputed, the
+    # no-grad pass. Either way the window steps' velocities run in that grad mode.
+    passes, velocity_grad = [], []
+
+    def spy(adapter, rollout, micro_batch_size, *, as_trained=False):
+        passes.append(as_trained)
+        velocity = adapter.velocity
+
+        def recording(*args, **kwargs):
+            velocity_grad.append(torch.is_grad_enabled())
+            return velocity(*args, **kwargs)
+
+        adapter.velocity = recording
+        try:
+            log_probs, means = evaluate_window(adapter, rollout, micro_batch_size, as_trained=as_trained)
+        finally:
+            del adapter.velocity
+        assert not log_probs.requires_grad and not means.requires_grad
+        return log_probs, means
+
+    monkeypatch.setattr(engine, "evaluate_window", spy)
+    report = check("tiny_sd3", overrides, quick=True)
+    assert passes == [as_trained] and set(velocity_grad) == {as_trained}
+    rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
+    assert rows and all(r.verdict == PASS for r in rows), report.table()
 
 
 def test_a_trainer_in_bf16_fails_the_log_prob_check_where_the_run_reuses_them(monkeypatch):
