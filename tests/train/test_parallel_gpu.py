@@ -75,6 +75,10 @@ def one_step(
     torch._dynamo.reset()
     rank = torch.distributed.get_rank()
     adapter = load_model(model_dir, dtype=dtype, device=device)
+    if family == "flux":
+        # as flux_dev_lora sets model.attn_backend: with torch's default SDPA choice (cuDNN on
+        # H100/H200) FLUX's training backward fails at full size, and here gave a NaN gradient
+        adapter.transformer.set_attention_backend("_native_flash")
     engine = TrainEngine(
         adapter,
         ModelConfig(dtype=dtype, lora=LoraConfig(rank=lora_rank, alpha=2 * max(lora_rank, 1))),
