@@ -72,7 +72,9 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
         raise ConfigError(
             "data.train_files is empty: give at least one prompt file (.txt, .jsonl or .parquet)"
         )
-    rule = adapter_class(index["_class_name"]).condition_rule
+    family = adapter_class(index["_class_name"])
+    warn_attention_backend(cfg, family)
+    rule = family.condition_rule
     if rule is None and needs_rewards(cfg):
         check_no_source_rewards(cfg, index["_class_name"])
     image_key = cfg.data.image_key if rule is not None else None  # read for edit models only
@@ -87,6 +89,21 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
         check_condition_rows(rule, condition_rows(train), "data.train_files", cfg.data.image_key)
         check_condition_rows(rule, condition_rows(val), "data.val_files", cfg.data.image_key)
     return train, val
+
+
+def warn_attention_backend(cfg: Config, family: type) -> None:
+    """A family whose training backward fails under torch's default attention on a GPU, trained
+    with that default where a GPU is present: said before anything loads (a warning: the failure
+    was measured on H100/H200 and may not hold on every GPU or torch)."""
+    backend = family.gpu_training_attn_backend
+    if backend is None or cfg.model.attn_backend != "native" or not torch.cuda.is_available():
+        return
+    print(
+        f"warning: {family.pipeline_class_name} trains with model.attn_backend=native, torch's default "
+        "attention (cuDNN on H100/H200), whose backward failed this family's training there (an illegal "
+        f"memory access at full size, a NaN gradient on a tiny model); set model.attn_backend={backend} "
+        "as the family's presets do"
+    )
 
 
 def check_no_source_rewards(cfg: Config, family: str) -> None:

@@ -145,6 +145,9 @@ class ModelAdapter(ABC):
     #: Image-edit families: the condition images a prompt row carries (count, aspect ratio, the size
     #: they are encoded at), checked on the prompt file before the model loads; None = text only.
     condition_rule: ClassVar[ConditionRule | None] = None
+    #: The attention backend (`model.attn_backend`) this family trains with on a GPU where torch's
+    #: default choice is known to fail its backward; None where the default trains.
+    gpu_training_attn_backend: ClassVar[str | None] = None
 
     def __init__(self, pipe: DiffusionPipeline, device: torch.device, dtype: torch.dtype):
         self.pipe = pipe

@@ -60,6 +60,9 @@ class FluxAdapter(ModelAdapter):
     schedule_convention: ClassVar[str] = "flux"
     latent_layout: ClassVar[str] = "the packed FLUX layout"
     block_class_names: ClassVar[tuple[str, ...]] = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    # torch's default attention (cuDNN on H100/H200) failed FLUX's training backward: an illegal
+    # memory access at FLUX.1-dev's size, a NaN gradient on the tiny model (docs/performance.md)
+    gpu_training_attn_backend: ClassVar[str | None] = "_native_flash"
     # Flow-GRPO's FLUX LoRA targets (scripts/train_flux.py). peft matches by name suffix, so the
     # attn.to_q/k/v entries also adapt the single-stream blocks' attention projections; the
     # single-stream proj_mlp / proj_out stay frozen, as in the recipe.
