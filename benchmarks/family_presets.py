@@ -99,7 +99,8 @@ def one_gpu_overrides(preset: str, global_batch: bool, gpus_here: int = 1) -> li
     frames = {fn.video_frames for fn in cfg.reward.functions.values()} - {None}
     video_frames = f", video_frames: {min(frames)}" if frames else ""
     return [
-        *(["actor.strategy=none"] if gpus_here == 1 else []),
+        # several GPUs: the run's own choice, also where the preset names one for its own GPU count
+        f"actor.strategy={'none' if gpus_here == 1 else 'auto'}",
         f"trainer.n_gpus_per_node={gpus_here}",
         "trainer.nnodes=1",
         f"data.prompts_per_step={prompts * gpus_here}",

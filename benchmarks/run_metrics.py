@@ -47,4 +47,7 @@ def summarise_run(run_dir: Path, warmup: int) -> dict:
         "compile_s": records[0]["timing_s/step"] - statistics.median(r["timing_s/step"] for r in measured),
         "old_log_probs_recomputed": "timing_s/old_log_prob" in measured[0],
         "loss": [r.get("actor/loss") for r in records],
+        # a policy-gradient loss is ~0 at ratio 1 (group-normalised advantages): the first step's
+        # gradient norm is what compares two layouts of the same batch (sequence parallel vs one GPU)
+        "grad_norm": [r.get("actor/grad_norm") for r in records],
     }

@@ -118,7 +118,7 @@ def test_options_and_overrides():
             sa.parse_args(bad)
     presets = sa.default_presets()
     assert "shapes_flow_grpo" in presets and "default" not in presets  # default is shapes_nft_cfg_free
-    assert set(sa.ALGORITHMS) <= set(presets)
+    assert set(presets) == set(sa.ALGORITHMS)  # every RL preset named, no supervised one
     assert not set(sa.NOT_ALGORITHMS) & set(presets)
 
 
