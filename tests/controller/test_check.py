@@ -132,7 +132,9 @@ def _bf16_transition(adapter, rollout, micro_batch_size, **kwargs):
     return evaluate_window(adapter, replace(rollout, samples=samples), micro_batch_size, **kwargs)
 
 
-@pytest.mark.parametrize(("overrides", "as_trained"), [([], True), (["algorithm.old_log_probs=recompute"], False)])
+@pytest.mark.parametrize(
+    ("overrides", "as_trained"), [([], True), (["algorithm.old_log_probs=recompute"], False)]
+)
 def test_the_log_prob_rows_compare_with_the_pass_the_run_takes_its_old_log_probs_from(
     monkeypatch, overrides, as_trained
 ):

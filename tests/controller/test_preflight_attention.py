@@ -19,7 +19,9 @@ from diffrl.controller.preflight import preflight_common
         ("tiny_sd3", [], True, False),  # SD3 trains with the default
     ],
 )
-def test_flux_with_the_default_attention_on_a_gpu_is_warned(monkeypatch, capsys, preset, overrides, gpu, warned):
+def test_flux_with_the_default_attention_on_a_gpu_is_warned(
+    monkeypatch, capsys, preset, overrides, gpu, warned
+):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     preflight_common(load_config(preset, overrides))
     out = capsys.readouterr().out
