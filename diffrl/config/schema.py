@@ -869,7 +869,7 @@ class Config:
         needs a second log-prob, so it recomputes then as before.
 
         Separate placement recomputes: a replica runs its own copy of the module (no FSDP
-        mixed-precision casts, no training graph when compiled), and in one_step_off (bounded) mode it
+        mixed-precision casts), and in one_step_off (bounded) mode it
         samples one (up to trainer.max_staleness) weight version behind the trainer, so the
         recomputed log-probs are the proximal policy and the rollout's are the behaviour policy
         (docs/async.md).

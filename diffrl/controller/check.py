@@ -148,8 +148,8 @@ def _log_prob_rows(cfg: Config, group: list[PromptRecord], *, sample, recompute)
         images=_images(group),
     )
     # A run that reuses the sampled log-probs compares them with its update's first forward (grad
-    # on: another graph than no-grad when compiled); one that recomputes, with its no-grad pass.
-    recomputed, _ = recompute(rollout, as_trained=cfg.reuses_rollout_log_probs)
+    # on: another graph than no-grad when compiled); one that recomputes, with its own recompute.
+    recomputed, _ = recompute(rollout, as_trained=True if cfg.reuses_rollout_log_probs else None)
     steps = rollout.step_indices.tolist()
     return log_probs_vs_trainer(cfg, rollout.samples.log_probs_BW, recomputed, steps)
 

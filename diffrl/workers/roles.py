@@ -257,8 +257,15 @@ class ActorWorker:
         ).to("cpu")
 
     def log_probs(
-        self, rollout: Rollout, policy: str = POLICY, as_trained: bool = False
+        self, rollout: Rollout, policy: str = POLICY, as_trained: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, SDE means) on the CPU of the rollout's window steps under `policy`.
+
+        `as_trained` None: the trained policy's through the update's own graph when the blocks
+        are compiled (the old log-probs PPO's ratio divides by are then the update's first
+        forward bit for bit: compiled, no-grad is another graph), no grad otherwise."""
+        if as_trained is None:
+            as_trained = policy == POLICY and self.engine.adapter.compiled
         rollout = rollout.to(self.engine.adapter.device)
         log_probs, means = self.engine.log_probs(rollout, policy, as_trained=as_trained)
         return log_probs.cpu(), means.cpu()

@@ -61,8 +61,9 @@ class RolloutWorker:
     """Samples trajectories and scores them as they decode.
 
     Colocated, it wraps the actor's own module (`HybridWorker`); as a replica of the separate
-    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer, no
-    gradients) and receives the trainer's weights through `receive_weights`. `weight_version`
+    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer; compiled,
+    the trained adapter requires grad so that its graph is the trainer's: `computes_as_trained`) and
+    receives the trainer's weights through `receive_weights`. `weight_version`
     counts the trainer steps behind the weights it samples with; every rollout records it.
     """
 
@@ -84,6 +85,8 @@ class RolloutWorker:
                     adapter, cfg.model.lora, [POLICY, OLD] if with_old else [POLICY], seed=cfg.trainer.seed
                 )
             adapter.transformer.requires_grad_(False)
+            if computes_as_trained(cfg):
+                as_trained_replica(adapter, cfg.actor.micro_batch_size)
             if cfg.model.compile:
                 adapter.compile_blocks()
         self.adapter = adapter
@@ -164,9 +167,13 @@ class RolloutWorker:
         same micro-batches the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
         out: dict[str, tuple[torch.Tensor, Any]] = {}
         on_device = rollout.to(self.adapter.device)
+        trains = self.adapter.train_micro_batch_size is not None  # as_trained_replica
         for policy in policies:
+            as_trained = policy == POLICY and self.adapter.compiled and trains  # as the trainer's
             with self._evaluating(policy):
-                log_probs, means = evaluate_window(self.adapter, on_device, self.cfg.actor.micro_batch_size)
+                log_probs, means = evaluate_window(
+                    self.adapter, on_device, self.cfg.actor.micro_batch_size, as_trained=as_trained
+                )
             out[policy] = (log_probs.cpu(), handed_over(means.cpu()))
         return out
 
@@ -277,6 +284,33 @@ class RolloutWorker:
         if self._weight_sync is not None:
             self._weight_sync.close()
             self._weight_sync = None
+
+
+def computes_as_trained(cfg: Config) -> bool:
+    """Whether a replica computes its SDE window steps through the trainer's training graph: a
+    compiled policy-gradient run with LoRA sampled from the unmerged adapters. Compiled blocks run
+    another graph with grad than without (fused and so rounded differently), and the trainer's
+    update and its recomputed old log-probs run the grad one; the same graph on the replica keeps
+    its log-probs the trainer's bit for bit on the same weights, as a colocated sampler's are."""
+    from diffrl.algos import POLICY_GRADIENT
+
+    return (
+        cfg.model.compile
+        and cfg.model.lora.rank > 0
+        and not cfg.model.lora.merge_inference
+        and cfg.algorithm.trainer_type == POLICY_GRADIENT
+    )
+
+
+def as_trained_replica(adapter: ModelAdapter, micro_batch_size: int) -> None:
+    """Make a replica's module trace the trainer's graph: the trained (`default`) LoRA weights
+    require grad, as the trainer's do (no optimizer holds them and no backward runs: each grad-on
+    window step's graph is dropped at once), and the sampler slices window steps to the actor's
+    micro-batch size (`TrajectorySampler._trained_slices`), as the trainer re-evaluates them."""
+    for name, param in adapter.transformer.named_parameters():
+        if f".{POLICY}." in name:
+            param.requires_grad_(True)
+    adapter.train_micro_batch_size = micro_batch_size
 
 
 def weight_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:

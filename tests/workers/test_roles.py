@@ -69,3 +69,56 @@ def test_a_replica_samples_a_request_only_with_the_weight_version_it_was_schedul
     summary, _ = replica.sample_and_score(shard, seed=0, step=4, rewards=_Handles(), version=3)
     assert summary.extras["weight_version"] == 3
     assert len(summary) == len(PROMPTS) * cfg.rollout.n
+
+
+def test_compiled_replica_and_trainer_compute_the_trained_policy_through_the_training_graph(cfg, monkeypatch):
+    """Compiled blocks round differently with grad than without (on a GPU at full size), and the
+    update runs the grad graph: a compiled replica samples its window steps and evaluates the
+    trained policy's old log-probs through that graph (its trained LoRA weights require grad, as
+    the trainer's do), and so does the trainer's own recompute; the reference pass stays no-grad."""
+    from dataclasses import replace
+
+    from diffrl.models.base import ModelAdapter
+    from diffrl.train.engine import POLICY, REFERENCE
+
+    compile_blocks = ModelAdapter.compile_blocks  # aot_eager traces the training graph as inductor
+    monkeypatch.setattr(  # does, without a C++ toolchain
+        ModelAdapter, "compile_blocks", lambda self, **kw: compile_blocks(self, backend="aot_eager", **kw)
+    )
+    compiled = replace(
+        cfg,
+        model=replace(cfg.model, compile=True),
+        rollout=replace(cfg.rollout, micro_batch_size=8),  # twice the actor's: window steps sliced to 4
+    )
+    trainer, replica = HybridWorker(compiled), RolloutWorker(compiled)
+    trained = {n for n, p in trainer.engine.transformer.named_parameters() if p.requires_grad}
+    assert trained == {n for n, p in replica.adapter.transformer.named_parameters() if p.requires_grad}
+    with torch.no_grad():  # the replica holds the trainer's weights, as after a sync
+        state = trainer.engine.transformer.state_dict()
+        for name, tensor in replica.adapter.transformer.state_dict().items():
+            tensor.copy_(state[name])
+
+    def record(adapter):
+        calls, velocity = [], adapter.velocity
+
+        def spy(latents, *args, **kwargs):
+            calls.append((latents.shape[0], torch.is_grad_enabled()))
+            return velocity(latents, *args, **kwargs)
+
+        adapter.velocity = spy
+        return calls
+
+    sampled = record(replica.adapter)
+    rollout = replica.sample(PROMPTS, seed=0, step=0)
+    steps, window = cfg.rollout.pipeline.num_inference_steps, cfg.rollout.sde.window_size
+    assert sorted(sampled) == sorted([(8, False)] * (steps - window) + [(4, True)] * (2 * window))
+
+    sampled.clear()
+    passes = replica.evaluate(rollout, [POLICY, REFERENCE])
+    assert sorted(sampled) == sorted([(4, True)] * (2 * window) + [(4, False)] * (2 * window))
+    recomputed = record(trainer.engine.adapter)
+    old, _ = trainer.log_probs(rollout)  # the run's recompute: as_trained by default when compiled
+    ref_trainer, _ = trainer.log_probs(rollout, REFERENCE)
+    assert sorted(recomputed) == sorted([(4, True)] * (2 * window) + [(4, False)] * (2 * window))
+    assert torch.equal(passes[POLICY][0], old) and torch.equal(old, rollout.samples.log_probs_BW)
+    assert torch.equal(passes[REFERENCE][0], ref_trainer)
