@@ -903,7 +903,9 @@ class Config:
         placement, policy-gradient training, requests that split into the trainer's micro-batches.
         The old log-probs move only when the trainer computes with the weights' own dtypes (one
         rank, or ddp): FSDP2's mixed precision casts the fp32 LoRA weights to the compute dtype,
-        the replica does not. The reference pass (LoRA: the adapters disabled, the base weights in
+        the replica does not; and, compiled, only with LoRA: the trainer recomputes them through
+        its training graph, which a replica traces only with its trained adapter requiring grad
+        (full fine-tuning would need every weight to). The reference pass (LoRA: the adapters disabled, the base weights in
         their own dtype on both sides) moves whenever LoRA is on; full fine-tuning keeps its frozen
         reference copy on the trainer only. With trainer.async_mode=bounded the old log-probs stay
         on the trainer: the replicas receive the weights the update starts from only after sampling
@@ -918,7 +920,11 @@ class Config:
         if choice == "auto" and self._request_size % self.actor.micro_batch_size:
             return ()
         passes = []
-        exact = self.world_size == 1 or self.actor.strategy == "ddp"
+        # compiled, the trainer recomputes through its training graph, which a replica runs too
+        # only with LoRA (workers.rollout_worker.computes_as_trained)
+        exact = (self.world_size == 1 or self.actor.strategy == "ddp") and (
+            not self.model.compile or self.model.lora.rank > 0
+        )
         bounded = self.trainer.async_mode == "bounded"
         if not self.reuses_rollout_log_probs and not bounded and (choice == "rollout" or exact):
             passes.append("default")

@@ -69,6 +69,12 @@ def test_log_prob_passes_resolution():
         "default",
         "reference",
     )
+    # compiled full fine-tuning: the trainer recomputes through its training graph, which a replica
+    # (no trainable weights) does not trace: the old log-probs stay; with LoRA they move
+    compiled = [*separate, "model.compile=true"]
+    assert load_config("tiny_sd3", compiled).rollout_passes == ("default", "reference")
+    assert load_config("tiny_sd3", [*compiled, "model.lora.rank=0"]).rollout_passes == ()
+    assert load_config("tiny_sd3", [*separate, "model.lora.rank=0"]).rollout_passes == ("default",)
     # requests of 4 samples do not split into micro-batches of 8: auto keeps everything on the trainer
     odd = [*separate, "rollout.micro_batch_size=4", "actor.micro_batch_size=8", "actor.mini_batch_size=16"]
     assert load_config("tiny_sd3", odd).rollout_passes == ()
