@@ -80,8 +80,6 @@ class FluxKontextAdapter(FluxAdapter):
                 "pass one row of images per prompt"
             )
         text = super().encode_prompts(prompts, negative_prompts, max_sequence_length)
-        pipe = self.pipe
-        multiple = pipe.vae_scale_factor * 2
         latents, shapes = [], []
         done: dict[int, tuple[torch.Tensor, list[int]]] = {}  # an image shared by rows: one VAE pass
         with torch.no_grad():
@@ -91,20 +89,9 @@ class FluxKontextAdapter(FluxAdapter):
                         f"FluxKontextPipeline takes exactly 1 condition image per prompt; got {len(row)}"
                     )
                 (image,) = row
-                if id(image) in done:
-                    pass
-                elif self.pixel_space:
-                    done[id(image)] = self._encode_pixels(image)
-                else:
-                    width, height = kontext_size(
-                        *image.size, multiple_of=multiple, auto_resize=self.auto_resize
-                    )
-                    resized = pipe.image_processor.resize(image, height, width)
-                    pixels = pipe.image_processor.preprocess(resized, height, width)
-                    encoded = pipe._encode_vae_image(pixels.to(self.device, self.dtype), generator=None)
-                    rows, cols = encoded.shape[2:]
-                    packed = pipe._pack_latents(encoded, 1, encoded.shape[1], rows, cols)
-                    done[id(image)] = (packed, [rows // 2, cols // 2])
+                if id(image) not in done:
+                    encode = self._encode_pixels if self.pixel_space else self._encode_vae
+                    done[id(image)] = encode(image)
                 latents.append(done[id(image)][0])
                 shapes.append([done[id(image)][1]])
         if any(s != shapes[0] for s in shapes):
@@ -115,6 +102,19 @@ class FluxKontextAdapter(FluxAdapter):
         text.cond_latents = torch.cat(latents)
         text.cond_shapes = torch.tensor(shapes, dtype=torch.long, device=self.device)
         return text
+
+    def _encode_vae(self, image: Any) -> tuple[torch.Tensor, list[int]]:
+        """The pipeline's own condition path: Kontext's resize, the VAE, the 2x2 pack."""
+        pipe = self.pipe
+        width, height = kontext_size(
+            *image.size, multiple_of=pipe.vae_scale_factor * 2, auto_resize=self.auto_resize
+        )
+        resized = pipe.image_processor.resize(image, height, width)
+        pixels = pipe.image_processor.preprocess(resized, height, width)
+        encoded = pipe._encode_vae_image(pixels.to(self.device, self.dtype), generator=None)
+        rows, cols = encoded.shape[2:]
+        packed = pipe._pack_latents(encoded, 1, encoded.shape[1], rows, cols)
+        return packed, [rows // 2, cols // 2]
 
     def _encode_pixels(self, image: Any) -> tuple[torch.Tensor, list[int]]:
         """Pixel space (no VAE, the shapes edit toy model): the image at its own size, in [-1, 1] as
