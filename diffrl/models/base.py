@@ -189,6 +189,20 @@ class ModelAdapter(ABC):
     def transformer(self) -> torch.nn.Module:
         return self.pipe.transformer
 
+    @property
+    def trains_through_compiled_graph(self) -> bool:
+        """Whether the trained policy's window steps must run with grad on to be the update's
+        bit for bit: compiled blocks run another graph with grad (partitioned for the backward,
+        fused and so rounded differently) than without, and this module has an update's
+        micro-batch size (`train_micro_batch_size`) and trainable weights, as the trainer's
+        module and a compiled LoRA replica's have. The sampler, the trainer's recompute and a
+        replica's old-log-prob pass all ask here."""
+        return (
+            self.compiled
+            and bool(self.train_micro_batch_size)
+            and any(p.requires_grad for p in self.transformer.parameters())
+        )
+
     def run_transformer(self, **inputs):
         """The transformer's forward, as every `velocity` calls it.
 

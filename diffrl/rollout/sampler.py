@@ -348,10 +348,9 @@ class TrajectorySampler:
         then bit-identical to the trainer's re-evaluation before its first update, and the trainer
         reuses them instead of a recompute pass (a forward per window step and sample).
         """
-        micro = self.adapter.train_micro_batch_size  # set when a TrainEngine trains this module
-        trains = any(p.requires_grad for p in self.adapter.transformer.parameters())
-        if not (self.adapter.compiled and micro and trains):
+        if not self.adapter.trains_through_compiled_graph:
             return [slice(None)]
+        micro = self.adapter.train_micro_batch_size
         return [slice(s, min(s + micro, batch)) for s in range(0, batch, micro)]
 
     def _progress_bar(self) -> Progress:

@@ -265,7 +265,7 @@ class ActorWorker:
         are compiled (the old log-probs PPO's ratio divides by are then the update's first
         forward bit for bit: compiled, no-grad is another graph), no grad otherwise."""
         if as_trained is None:
-            as_trained = policy == POLICY and self.engine.adapter.compiled
+            as_trained = policy == POLICY and self.engine.adapter.trains_through_compiled_graph
         rollout = rollout.to(self.engine.adapter.device)
         log_probs, means = self.engine.log_probs(rollout, policy, as_trained=as_trained)
         return log_probs.cpu(), means.cpu()

@@ -61,10 +61,11 @@ class RolloutWorker:
     """Samples trajectories and scores them as they decode.
 
     Colocated, it wraps the actor's own module (`HybridWorker`); as a replica of the separate
-    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer; compiled,
-    the trained adapter requires grad so that its graph is the trainer's: `computes_as_trained`) and
-    receives the trainer's weights through `receive_weights`. `weight_version`
-    counts the trainer steps behind the weights it samples with; every rollout records it.
+    placement it builds its own copy of the model with the actor's LoRA layout (no optimizer;
+    compiled, the trained adapter requires grad so that its graph is the trainer's:
+    `computes_as_trained`) and receives the trainer's weights through `receive_weights`.
+    `weight_version` counts the trainer steps behind the weights it samples with; every rollout
+    records it.
     """
 
     def __init__(
@@ -167,9 +168,8 @@ class RolloutWorker:
         same micro-batches the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
         out: dict[str, tuple[torch.Tensor, Any]] = {}
         on_device = rollout.to(self.adapter.device)
-        trains = self.adapter.train_micro_batch_size is not None  # as_trained_replica
         for policy in policies:
-            as_trained = policy == POLICY and self.adapter.compiled and trains  # as the trainer's
+            as_trained = policy == POLICY and self.adapter.trains_through_compiled_graph
             with self._evaluating(policy):
                 log_probs, means = evaluate_window(
                     self.adapter, on_device, self.cfg.actor.micro_batch_size, as_trained=as_trained
