@@ -29,7 +29,7 @@ from diffrl.controller.sizes import check_sizes
 from diffrl.data import PromptRecord, load_prompts
 from diffrl.files import check_output_dir, check_regular, read_json_file
 from diffrl.models import adapter_class, read_model_index, resolve_model_path
-from diffrl.models.base import MODEL_DIR_FIX
+from diffrl.models.base import MODEL_DIR_FIX, ModelAdapter
 from diffrl.models.conditions import ConditionRow, check_condition_rows
 from diffrl.models.sampling import ImageGeometry
 from diffrl.rewards import reward_specs
@@ -91,7 +91,7 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
     return train, val
 
 
-def warn_attention_backend(cfg: Config, family: type) -> None:
+def warn_attention_backend(cfg: Config, family: type[ModelAdapter]) -> None:
     """A family whose training backward fails under torch's default attention on a GPU, trained
     with that default where a GPU is present: said before anything loads (a warning: the failure
     was measured on H100/H200 and may not hold on every GPU or torch)."""

@@ -215,10 +215,12 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
             def start_rewards() -> tuple[Any, Callable[[], None] | None]:
                 return _start_rewards(cfg, use_ray, threads)
 
-            # on Ray, the model workers and the reward workers start at once; in this process, in turn
-            starts = [start_workers, start_rewards] if use_ray else [start_workers]
-            started = _start_together(stack, *starts)
-        workers, rewards = started if use_ray else (started[0], _start_together(stack, start_rewards)[0])
+            if use_ray:  # the model workers and the reward workers start at once
+                workers, rewards = _start_together(stack, start_workers, start_rewards)
+            else:
+                (workers,) = _start_together(stack, start_workers)
+        if not use_ray:  # in this process, in turn
+            (rewards,) = _start_together(stack, start_rewards)
         yield workers, rewards
 
 
