@@ -8,8 +8,8 @@
 
 Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset:
 each `shapes_*` preset but the supervised `shapes_sft` and `shapes_edit_sft` and `shapes_async`
-(Flow-GRPO with another placement); `default` is `shapes_nft_cfg_free` under another name), all with the same GPU-scale
-overrides: 32 prompts × 16 samples per step, one optimizer step per step, 4 validation samples per
+(Flow-GRPO with another placement); `default` is `shapes_nft_cfg_free` under another name), all
+with the same GPU-scale overrides: 32 prompts × 16 samples per step, one optimizer step per step, 4 validation samples per
 prompt, validation before training and every `--val-every` steps. Extra `key=value` overrides after `--` apply to every run
 and win over these.
 

@@ -16,7 +16,8 @@ step 0), after it, and for each EMA, plus every `val/<category>/accuracy`; the s
 RUN/ema_validation.json. Nothing in the run changes: the checkpoint, the exported LoRA and the
 report are those of the final weights.
 
-docs/shapes-experiments.md ("Does an evaluation-time EMA of the adapter help the default job?") has the 24-seed result for the default job, e.g.
+docs/shapes-experiments.md ("Does an evaluation-time EMA of the adapter help the default job?") has
+the 24-seed result for the default job, e.g.
 
     python benchmarks/shapes_ema.py -- default trainer.seed=S
 """

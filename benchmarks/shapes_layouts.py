@@ -23,8 +23,8 @@ with the shapes verifier and sorts the images whose objects are exactly the prom
 - `neither`: e.g. side by side when the prompt asks for above.
 
 Prints one JSON line: the settings, and per prompt group (`heldout`, `trained`) and per prompt the
-number of images, how many hold exactly the two shapes, and the three counts. docs/shapes-experiments.md ("Why
-does held-out position not move?") has the results.
+number of images, how many hold exactly the two shapes, and the three counts.
+docs/shapes-experiments.md ("Why does held-out position not move?") has the results.
 """
 
 from __future__ import annotations

@@ -905,8 +905,8 @@ class Config:
         rank, or ddp): FSDP2's mixed precision casts the fp32 LoRA weights to the compute dtype,
         the replica does not; and, compiled, only with LoRA: the trainer recomputes them through
         its training graph, which a replica traces only with its trained adapter requiring grad
-        (full fine-tuning would need every weight to). The reference pass (LoRA: the adapters disabled, the base weights in
-        their own dtype on both sides) moves whenever LoRA is on; full fine-tuning keeps its frozen
+        (full fine-tuning would need every weight to). The reference pass (LoRA: the adapters
+        disabled, the base weights in their own dtype on both sides) moves whenever LoRA is on; full fine-tuning keeps its frozen
         reference copy on the trainer only. With trainer.async_mode=bounded the old log-probs stay
         on the trainer: the replicas receive the weights the update starts from only after sampling
         the batches already in flight, so a pass there would stall the update."""
