@@ -40,7 +40,7 @@ from diffrl.files import (
     naming,
     write_json,
 )
-from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
+from diffrl.train.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
 from diffrl.workers.group import WorkerGroup
 
@@ -410,7 +410,29 @@ def _check_resume_target(cfg: Config, run_dir: Path) -> Path | None:
         )
     if checkpoint is not None:
         check_checkpoint(cfg, checkpoint, verified=cfg.trainer.resume == "auto")
+        _check_not_past_total(cfg, checkpoint)
     return checkpoint
+
+
+def _check_not_past_total(cfg: Config, checkpoint: Path) -> None:
+    """A checkpoint saved after `trainer.total_steps` would resume into a run with nothing left to
+    train and export that later step's weights as if they were the requested step's: refuse it,
+    naming the kept checkpoint that does match when there is one."""
+    step = json.loads((checkpoint / "meta.json").read_text())["step"]
+    total = cfg.trainer.total_steps
+    if step <= total:
+        return
+    earlier = [path for kept, path in complete_checkpoints(checkpoint.parent) if kept <= total]
+    fix = (
+        f"resume the newest checkpoint at or before step {total}: trainer.resume={earlier[-1]}"
+        if earlier
+        else f"start a new run (another trainer.run_name): no kept checkpoint is at or before step {total}"
+    )
+    raise ConfigError(
+        f"trainer.total_steps={total} is below step {step} of the checkpoint this run would resume "
+        f"({checkpoint}): it would train nothing and end with step {step}'s weights. Raise "
+        f"trainer.total_steps, or {fix}"
+    )
 
 
 def prepare_run(cfg: Config, source: str | None) -> tuple[Path, str, Path | None]:

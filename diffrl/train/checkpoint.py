@@ -81,11 +81,11 @@ from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers
     OPTIM_DIR,
     RNG_DIR,
     CheckpointError,
-    _complete_checkpoints,
     _my_share,
     _parse_rng_state,
     _read_json,
     _sha256,
+    complete_checkpoints,
     latest_checkpoint,
     step_dir,
     verify_checkpoint,
@@ -443,7 +443,7 @@ def _remove_leftovers(root: Path) -> None:
 
 
 def _prune(root: Path, keep_last: int, protect: Path) -> None:
-    complete = _complete_checkpoints(root)
+    complete = complete_checkpoints(root)
     for _, path in complete[: max(len(complete) - keep_last, 0)]:
         if path != protect:
             trash = root / f"{_TRASH_PREFIX}{path.name}"

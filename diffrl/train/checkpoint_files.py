@@ -212,7 +212,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     if _is_legacy(path):
         _refuse_legacy(path)
     if not (path / COMPLETE_MARKER).is_file():
-        if _complete_checkpoints(path):
+        if complete_checkpoints(path):
             raise CheckpointError(
                 f"{str(path)!r} is a checkpoint root, not a checkpoint: pass one of its step_XXXXXXXX "
                 f"directories, e.g. latest_checkpoint(root) = {_latest_quietly(path)}"
@@ -311,7 +311,7 @@ def _json_problem(path: Path, name: str, value: Any, meta: dict[str, Any]) -> st
 
 
 # ---------------------------------------------------------------------------------- find
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of the step directories under `root` that have a `complete` marker, oldest first."""
     if not root.is_dir():
         return []
@@ -325,7 +325,7 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 def _latest_quietly(root: Path) -> Path | None:
     """For hints inside error messages: the newest checkpoint that verifies, without warnings or errors."""
-    for _, path in reversed(_complete_checkpoints(root)):
+    for _, path in reversed(complete_checkpoints(root)):
         with contextlib.suppress(ValueError, OSError):
             verify_checkpoint(path)
             return path
@@ -343,7 +343,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
     Call it in one process (the driver), not under a process group: it hashes every file itself.
     """
-    candidates = _complete_checkpoints(Path(root))
+    candidates = complete_checkpoints(Path(root))
     skipped = []
     for _, path in reversed(candidates):
         try:

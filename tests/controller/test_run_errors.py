@@ -230,3 +230,32 @@ def test_a_scorer_that_answers_health_with_an_error_is_refused_before_loading(tm
     with start_reward_server("jpeg_compressibility") as server:  # a wrong path: HTTP 404, not a 200
         err = refused(tmp_path, capsys, f"reward.functions.http.args.url={server.url}/wrong")
     assert "did not answer /health" in err and "HTTP 404" in err and "Traceback" not in err
+
+
+def _kept_checkpoints(root, *steps):
+    """Step directories that `complete_checkpoints` lists (the marker and meta.json a save writes)."""
+    from diffrl.train.checkpoint import COMPLETE_MARKER, step_dir
+
+    for step in steps:
+        path = step_dir(root, step)
+        path.mkdir(parents=True)
+        (path / COMPLETE_MARKER).write_text("")
+        (path / "meta.json").write_text(json.dumps({"step": step}))
+    return [step_dir(root, step) for step in steps]
+
+
+def test_a_resume_past_total_steps_is_refused_naming_the_checkpoint_that_fits(tmp_path):
+    """`diffrl sft shapes_sft trainer.total_steps=3500` after a run stopped past 4000 would train
+    nothing and export step 4000's weights under the 3500 the user asked for."""
+    from diffrl.config import ConfigError, load_config
+
+    early, late = _kept_checkpoints(tmp_path / "checkpoints", 3500, 4000)
+    cfg = load_config("tiny_sd3", ["trainer.total_steps=3500"])
+    with pytest.raises(ConfigError) as refused_resume:
+        run_module._check_not_past_total(cfg, late)
+    message = str(refused_resume.value)
+    assert "trainer.total_steps=3500 is below step 4000" in message and f"trainer.resume={early}" in message
+    run_module._check_not_past_total(cfg, early)  # the step itself resumes (and exports) as it should
+    lone = _kept_checkpoints(tmp_path / "other", 4000)[0]
+    with pytest.raises(ConfigError, match="start a new run"):
+        run_module._check_not_past_total(cfg, lone)
