@@ -42,6 +42,8 @@ from diffrl.workers.group import (
     WorkerError,
     WorkerFuture,
     WorkerGroup,
+    blame,
+    failure_of,
     gather,
     log_tail,
     wait_any,
@@ -449,11 +451,12 @@ class Separate(Placement):
         streams its copy of `version` (after the call it is running, if any), the replicas receive
         it. A failure stops the batches queued after it (`_stream`)."""
         try:
-            running = [self.trainer.submit(0, "send_snapshot", version, self.bucket_bytes)]
-            running += [
+            calls = [self.trainer.submit(0, "send_snapshot", version, self.bucket_bytes)]
+            calls += [
                 self.replicas.submit(rank, "receive_weights", specs, version, self.bucket_bytes)
                 for rank in range(self.replicas.size)
             ]
+            running = list(calls)
             deadline = time.monotonic() + self.cfg.rollout.weight_sync.timeout_s + 30
             while running:  # short waits, so a run that stops ends this thread too
                 if self._cancel.is_set():
@@ -462,7 +465,9 @@ class Separate(Placement):
                 if remaining <= 0:
                     wait_any(running, timeout=0)  # the TimeoutError names the silent workers
                 for future in wait_done(running, timeout=max(0.0, min(remaining, _POLL_S))):
-                    future.result()  # a failed send or receive raises its WorkerError here
+                    failure = failure_of(future)  # a failed send or receive
+                    if failure is not None:
+                        raise blame(failure, calls)  # a peer that died, rather than the send it broke
                     running.remove(future)
         except BaseException as err:
             self._delivery_error = err

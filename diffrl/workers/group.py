@@ -28,9 +28,11 @@ Semantics shared by both:
 
 - Calls to one worker run in the order they were made; different workers run concurrently.
 - `gather` returns results in the order of the futures given (rank order for one call). It fails
-  fast: the first worker error seen is raised at once as a `WorkerError` naming the rank, the
-  method and the original exception, even while other workers still run (a rank blocked in a
-  collective waiting for a dead peer would otherwise hang the controller).
+  fast: the first worker error seen is raised as a `WorkerError` naming the rank, the method and
+  the original exception, even while other workers still run (a rank blocked in a collective
+  waiting for a dead peer would otherwise hang the controller). A dead worker is named before the
+  peers that failed because of it (`blame`): a method's error waits up to `DEATH_GRACE_S` for Ray
+  to report a death among the other calls.
 - Constructor errors surface when the group is created, as a `WorkerError` with the rank.
 - A Ray worker that dies (killed, out of memory, crashed) or becomes unreachable fails its calls
   with a `WorkerError` naming its class, rank, node IP and PID and quoting the last lines it
@@ -67,7 +69,9 @@ __all__ = [
     "WorkerFuture",
     "WorkerGroup",
     "WorkerIdentity",
+    "blame",
     "ensure_ray",
+    "failure_of",
     "gather",
     "wait_any",
     "wait_done",
@@ -155,6 +159,12 @@ class WorkerError(RuntimeError):
         if log_tail:
             message += f"\n\n{log_tail.rstrip()}"
         super().__init__(message)
+
+    @property
+    def process_failed(self) -> bool:
+        """Whether the worker's process died or became unreachable (Ray's `RayActorError`), rather
+        than its method raising."""
+        return any(cls.__name__ == "RayActorError" for cls in type(self.cause).__mro__)
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable, so a WorkerError can cross processes itself
         return (
@@ -379,9 +389,11 @@ def gather(futures: Sequence[WorkerFuture], timeout: float | None = None) -> lis
 
     Fails fast: raises the first `WorkerError` seen without waiting for the other workers (a
     worker blocked in a collective for a failed peer may never return). When several have already
-    failed, the lowest position in `futures` wins. `timeout` (seconds, for the whole gather)
-    raises `TimeoutError` naming the ranks still running. Futures of different groups may be
-    mixed; if they are not all of one kind, they are awaited one by one, in order.
+    failed, the lowest position in `futures` wins, except that a dead Ray worker is named before a
+    method's error, also one Ray reports up to `DEATH_GRACE_S` later (`blame`). `timeout`
+    (seconds, for the whole gather) raises `TimeoutError` naming the ranks still running. Futures
+    of different groups may be mixed; if they are not all of one kind, they are awaited one by
+    one, in order.
     """
     futures = list(futures)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -390,6 +402,53 @@ def gather(futures: Sequence[WorkerFuture], timeout: float | None = None) -> lis
     elif futures and all(isinstance(f, LocalFuture) for f in futures):
         _wait_local(futures, deadline, timeout)  # type: ignore[arg-type]
     return [future.result(_remaining(deadline)) for future in futures]
+
+
+# How long a method's error waits for Ray to report a dead worker among the other calls (`blame`).
+# Both follow the death closely (gloo notices the closed connection at once, Ray the exited
+# process: tens of milliseconds apart on 2 CPU cores, in either order); the grace allows for a
+# loaded machine, and is spent only on the way to failing.
+DEATH_GRACE_S = 3.0
+
+
+def blame(error: WorkerError, futures: Sequence[WorkerFuture], grace_s: float = DEATH_GRACE_S) -> WorkerError:
+    """The failure to report when `error` ended a wait on `futures`: `error` itself when its
+    process failed; else the first of `futures` (in the order given) whose Ray worker is reported
+    dead or unreachable within `grace_s` seconds; else `error`.
+
+    Calls that wait on each other (the weight sync's send and receives, FSDP's all-reduces in an
+    optimizer step) fail together when one worker dies: its gloo peers raise "a peer died" at once,
+    and Ray can deliver that before it reports the death. The dead worker is the one to name. In
+    process workers do not die on their own: with no Ray futures there is nothing to wait for."""
+    if error.process_failed or grace_s <= 0:
+        return error
+    others = [future for future in futures if isinstance(future, RayFuture)]
+    deadline = time.monotonic() + grace_s
+    checked: set[int] = set()
+    while True:
+        for future in others:
+            if id(future) in checked or not future.done():
+                continue
+            checked.add(id(future))
+            failure = failure_of(future)
+            if failure is not None and failure.process_failed:
+                return failure
+        left = list(dict.fromkeys(future.ref for future in others if id(future) not in checked))
+        remaining = deadline - time.monotonic()
+        if not left or remaining <= 0:
+            return error
+        import ray
+
+        ray.wait(left, num_returns=1, timeout=remaining, fetch_local=False)
+
+
+def failure_of(future: WorkerFuture) -> WorkerError | None:
+    """The `WorkerError` of a finished call, or None when it succeeded."""
+    try:
+        future.result()
+    except WorkerError as err:
+        return err
+    return None
 
 
 def wait_any(futures: Sequence[WorkerFuture], timeout: float | None = None) -> list[WorkerFuture]:
@@ -494,7 +553,9 @@ def _wait_ray(futures: list[RayFuture], deadline: float | None, timeout: float |
         ready_set = set(ready_refs) | set(ready)
         finished = [f for f in pending if f.ref in ready_set]
         for future in finished:
-            future.result()  # raises the WorkerError if this call failed; else cheap (local)
+            failure = failure_of(future)  # cheap for a result: it is local
+            if failure is not None:
+                raise blame(failure, futures)
         pending = [f for f in pending if f.ref not in ready_set]
 
 

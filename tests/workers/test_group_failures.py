@@ -1,6 +1,7 @@
 """Worker failures name the worker: a Ray actor that dies (exits, is killed, is SIGKILLed from
 outside) fails the call with a `WorkerError` naming its class, rank, node and PID and quoting its
-last log lines, within seconds; `wait_any` returns the first finished calls and fails fast.
+last log lines, within seconds, also when a peer's error came back first; `wait_any` returns the
+first finished calls and fails fast.
 
 The PIDs and node IP the messages must contain come from the actors themselves (`os.getpid()` in a
 method) and from `ray.nodes()`, not from the group's `identities`, so a wrong identity fails.
@@ -20,7 +21,7 @@ import ray
 import ray.cloudpickle
 
 from diffrl.workers import InProcessGroup, RayGroup, WorkerError, WorkerIdentity, gather, wait_any
-from diffrl.workers.group import _read_tails, _remote_tails, log_tail
+from diffrl.workers.group import DEATH_GRACE_S, _read_tails, _remote_tails, log_tail
 
 # Ray's workers do not have tests/workers on their path: send this module's classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -49,6 +50,10 @@ class Fragile:
 
     def fail(self) -> None:
         raise ValueError("bad shard")
+
+    def die_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def block(self, event: threading.Event) -> str:
         """In process only: wait until the test sets `event` (at most 30 s)."""
@@ -134,6 +139,31 @@ def test_a_worker_sigkilled_from_outside_fails_gather_within_seconds(ray_cluster
             f"Fragile rank 1 (of 2) on node {node_ip} (pid {pids[1]}) died during Fragile.say_then_sleep: "
         ), message
         assert "  loading 40 GB of weights" in message.splitlines()
+
+
+def test_gather_names_a_dead_worker_before_the_peer_whose_error_came_first(ray_cluster):
+    """A call that fails because a peer in its collective died (gloo: "a peer died") can come back
+    before Ray reports the death; gather names the dead worker. Here rank 0 fails at once and rank
+    1 dies a second later, so rank 0's error is in first (without the grace gather would raise it
+    at once) and the death comes within DEATH_GRACE_S of it."""
+    node_ip = ray_cluster
+    with RayGroup(Fragile, 2, num_cpus=0.5) as group:
+        pids = group.call("pid")
+        failing = group._submit(0, "fail", (), {})
+        dying = group._submit(1, "die_after", (1.0,), {})
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            gather([failing, dying], timeout=30)
+        waited = time.monotonic() - start
+        assert str(info.value).startswith(
+            f"Fragile rank 1 (of 2) on node {node_ip} (pid {pids[1]}) died during Fragile.die_after: "
+            "ActorDiedError"
+        ), str(info.value)[:500]
+        assert info.value.process_failed
+        assert 0.9 < waited < DEATH_GRACE_S + 1.0, waited
+        with pytest.raises(WorkerError, match=r"worker rank 0 \(of 2\) failed in Fragile.fail") as own:
+            failing.result()
+        assert not own.value.process_failed
 
 
 def test_wait_any_in_process():
