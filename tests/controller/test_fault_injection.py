@@ -4,20 +4,18 @@ never interrupted; a dead worker ends the run with a WorkerError naming it.
 
 The runs are forked from one "zygote" process that has imported diffrl once (imports are most of
 a tiny run's time); each child is `diffrl train` (`diffrl.cli.main`) with a hook that sends
-SIGKILL to itself at the chosen point, so the kill lands at the same place every time.
+SIGKILL to itself, or to a worker, at the chosen point, so the kill lands at the same place every
+time (tests/controller/fault_zygote.py, shared with test_fault_injection_gpu.py).
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from fault_zygote import start_zygote, wait_gone
 
 from diffrl.telemetry import read_metrics
 
@@ -31,157 +29,10 @@ ARGS = [
 # wall-clock measurements (the pools' busy and idle shares of a separate placement's step included)
 NOT_COMPARABLE = ("timing", "throughput", "perf/", "time", "trainer/wait", "rollout/idle", "rollout/busy")
 
-ZYGOTE = textwrap.dedent(
-    """
-    import json, os, signal, sys, time
-    import diffrl.cli, diffrl.controller.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
-
-    def log_processes():
-        # The run's processes (Ray's GCS, raylet, its agents and workers descend from the driver)
-        # for the test to check they are gone: Ray sets its processes' titles over their argv and
-        # environment, so the environment tag the test looks for may no longer be readable there.
-        import psutil
-
-        tree = [[p.pid, p.create_time()] for p in psutil.Process().children(recursive=True)]
-        sys.stderr.write(f"fault: processes {json.dumps(tree)}\\n")
-        sys.stderr.flush()
-
-    def die():
-        log_processes()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def hook(kill):
-        # Runs in the child: SIGKILL this process at the kill point `kill` names.
-        if kill is None:
-            return
-        what, at = kill["at"], kill.get("call", 1)
-        calls = [0]
-        if what in ("actor", "reward", "trainer", "replica"):
-            return kill_worker(what, kill.get("rank", 1), kill.get("when", "start"))
-        if what == "rollout":  # the at-th decoded micro-batch handed to the reward workers
-            owner, name = diffrl.rewards.workers.InProcessRewardWorkers, "submit"
-        elif what == "update":  # entering the at-th optimizer step (earlier ones of the step are done)
-            owner, name = diffrl.workers.roles.HybridWorker, "optim_step"
-        elif what == "driver_update":  # the driver entering its at-th step update (separate placement,
-            # where the optimizer steps in the trainer ranks' own processes)
-            from diffrl.controller.policy_gradient import PolicyGradientTrainer as owner
-
-            name = "_update"
-        elif what == "save":  # the at-th metadata file of a checkpoint save (weights already written)
-            owner, name = diffrl.train.checkpoint, "_write_durable"
-        elif what == "saved":  # right after the at-th checkpoint is published (TrainingLoop.save returned)
-            from diffrl.controller.loop import TrainingLoop as owner
-
-            name = "save"
-        original = getattr(owner, name)
-
-        def wrapped(*args, **kwargs):
-            if what == "saved":
-                result = original(*args, **kwargs)
-                calls[0] += 1
-                if calls[0] == at:
-                    die()
-                return result
-            if what != "save" or str(args[0]).endswith("meta.json"):
-                calls[0] += 1
-                if calls[0] == at:
-                    die()
-            return original(*args, **kwargs)
-
-        setattr(owner, name, wrapped)
-
-    def kill_worker(what, rank=1, when="start"):
-        # SIGKILL a worker process once, in step 1: a colocated actor ("actor", rank 1), a reward
-        # actor ("reward"), a separate placement's trainer rank ("trainer") or rollout replica
-        # ("replica"). when="start": as the step starts; "streaming": as the step's rollout is in
-        # (one_step_off: the next batch's requests were just sent to the replicas). A replica that
-        # dies before the driver fetched the scores it submitted (Ray made it their owner) fails
-        # the run the same way, or through those scores (placement._ScoredFor): which one Ray
-        # reports first is a race, so no case pins it.
-        import ray
-        from diffrl.controller.policy_gradient import PolicyGradientTrainer
-
-        pids = []
-        original_step, original_rollout = PolicyGradientTrainer.train_step, PolicyGradientTrainer.rollout_for_step
-
-        def kill():
-            log_processes()
-            os.kill(pids[0], signal.SIGKILL)
-            # CLOCK_MONOTONIC is system-wide on Linux: the test compares it with its own clock.
-            sys.stderr.write(f"fault: worker killed at {time.monotonic()}\\n")
-            sys.stderr.flush()
-
-        def train_step(self):
-            if self.step == 1:
-                if what == "reward":
-                    actor = self.rewards.actors[0]
-                elif what == "replica":
-                    actor = self.placement.replicas.actors[rank]
-                else:
-                    actor = self.workers.actors[rank]
-                # asked before the step: an actor runs one call at a time, so once requests are
-                # queued on it, this would wait for them and the kill would land after them
-                pids.append(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60))
-                if when == "start":
-                    kill()
-            return original_step(self)
-
-        def rollout_for_step(self, *args, **kwargs):
-            result = original_rollout(self, *args, **kwargs)
-            if when == "streaming" and self.step == 1:
-                kill()
-            return result
-
-        PolicyGradientTrainer.train_step = train_step
-        PolicyGradientTrainer.rollout_for_step = rollout_for_step
-
-    for line in sys.stdin:
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os.dup2(2, 1)  # the child's output goes to the log; stdout carries only status lines
-            os.environ.update(job.get("env", {}))
-            hook(job.get("kill"))
-            try:
-                code = diffrl.cli.main(job["argv"])
-            except BaseException as err:
-                import traceback
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
-    """
-)
-
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    env = {**os.environ, "DIFFRL_CACHE": str(tmp_path_factory.mktemp("cache")), "OMP_NUM_THREADS": "1"}
-    log = tmp_path_factory.mktemp("zygote") / "children.log"
-    with open(log, "w") as children_output:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=children_output,
-            text=True,
-            env=env,
-        )
-
-        def run(argv, kill=None, env=None):
-            """Exit code of `diffrl <argv>` in a forked child (-9 when it was SIGKILLed)."""
-            proc.stdin.write(json.dumps({"argv": argv, "kill": kill, "env": env or {}}) + "\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            return json.loads(line)["status"]
-
-        run.log = log
-        yield run
-        proc.stdin.close()
-        proc.wait(timeout=30)
+    yield from start_zygote(tmp_path_factory)
 
 
 def comparable(row):
@@ -233,55 +84,6 @@ def test_a_kill_between_publishing_a_checkpoint_and_logging_its_step_loses_no_st
     assert "rewards/mean" in read_metrics(run_dir / "metrics.jsonl")[2]
 
 
-def _tagged_processes(tag: str) -> list[int]:
-    """PIDs of live processes whose environment carries `tag` (the run's own, Ray's included)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if tag.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def _command(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()[:200]
-    except OSError:
-        return "(gone)"
-
-
-def _run_processes(tag: str, log: str) -> dict[int, str]:
-    """The live processes of a killed run, by PID with their command: those carrying `tag` in
-    their environment, and those the run's last kill point listed (`fault: processes`) that still
-    exist (same PID and start time, so not a reused PID)."""
-    import psutil
-
-    found = set(_tagged_processes(tag))
-    listed = re.findall(r"fault: processes (\[.*\])", log)
-    for pid, started in json.loads(listed[-1]) if listed else []:
-        try:
-            if psutil.Process(pid).create_time() == started:
-                found.add(pid)
-        except psutil.NoSuchProcess:
-            continue
-    return {pid: _command(pid) for pid in sorted(found)}
-
-
-def _wait_gone(tag: str, log: str, seconds: float, ignore: tuple[str, ...] = ()) -> dict[int, str]:
-    """`_run_processes` after waiting up to `seconds` for them to end (those whose command starts
-    with one of `ignore` aside)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        left = {pid: cmd for pid, cmd in _run_processes(tag, log).items() if not cmd.startswith(ignore)}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
-
-
 @pytest.mark.parametrize(
     ("kill", "message"),
     [
@@ -321,7 +123,7 @@ def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
     killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
     print(f"\n{kill}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
     assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
-    assert _wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
+    assert wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
 
 
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
@@ -343,6 +145,12 @@ SEPARATE = [
             {"at": "replica", "rank": 0, "when": "streaming"},
             r"RolloutWorker rank 0 \(of 2\) on node \S+ \(pid \d+\) died during RolloutWorker\.\w+[^:]*: \w*(Actor|Owner)",
         ),
+        # killed in its weight receive of step 1's first sync, once the first bucket header came:
+        # trainer rank 0 is streaming to it (gloo here; NCCL: test_fault_injection_gpu.py)
+        (
+            {"at": "replica", "rank": 0, "when": "sync"},
+            r"RolloutWorker rank 0 \(of 2\) on node \S+ \(pid \d+\) died during RolloutWorker\.receive_weights: \w*Actor",
+        ),
         # the weight-sync source: killed before step 1's first sync
         (
             {"at": "trainer", "rank": 0},
@@ -353,7 +161,7 @@ SEPARATE = [
             r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died during RewardWorker\.score: \w*Actor",
         ),
     ],
-    ids=["replica", "trainer", "reward"],
+    ids=["replica", "replica-sync", "trainer", "reward"],
 )
 def test_a_dead_actor_ends_a_one_step_off_run_naming_it(zygote, tmp_path, kill, message):
     tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
@@ -380,7 +188,7 @@ def test_a_dead_actor_ends_a_one_step_off_run_naming_it(zygote, tmp_path, kill, 
     killed_at = float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
     print(f"\n{kill}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
     assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
-    assert _wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
+    assert wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
 
 
 def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupted_run(zygote, tmp_path):
@@ -408,7 +216,7 @@ def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupt
         # Ray's GCS and raylet share the driver's fate, and the workers the raylet's. Its dashboard
         # and runtime-env agents see the raylet die at once but first report that to the GCS,
         # which is gone too: they exit when that call times out (Ray's, about a minute).
-        left = _wait_gone(tag, kills[-1][1], 20, ignore=RAY_AGENTS)
+        left = wait_gone(tag, kills[-1][1], 20, ignore=RAY_AGENTS)
         assert left == {}, f"the killed driver left processes (kill at update {call}): {left}"
     run_dir = tmp_path / "killed"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
@@ -433,6 +241,6 @@ def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupt
     # Ray's agents of the first kill end within Ray's minute; the second kill's end the same way,
     # a minute after it (waiting for them too would add that minute of idle time to the suite).
     tag, log, killed_at = kills[0]
-    left = _wait_gone(tag, log, killed_at + 120 - time.monotonic())
+    left = wait_gone(tag, log, killed_at + 120 - time.monotonic())
     assert left == {}, f"Ray's processes outlived the killed driver by 120 s: {left}"
     print(f"\nkill -9 and resume, one_step_off: {time.monotonic() - start:.0f} s")
