@@ -38,17 +38,9 @@ from diffrl.controller.sharding import prompt_shard
 from diffrl.data import PromptRecord
 from diffrl.train.engine import POLICY
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts, concat_summaries
-from diffrl.workers.group import (
-    WorkerError,
-    WorkerFuture,
-    WorkerGroup,
-    blame,
-    failure_of,
-    gather,
-    log_tail,
-    wait_any,
-    wait_done,
-)
+from diffrl.workers.errors import WorkerError, log_tail
+from diffrl.workers.futures import WorkerFuture, blame, failure_of, gather, wait_any, wait_done
+from diffrl.workers.group import WorkerGroup
 from diffrl.workers.roles import PromptShard
 from diffrl.workers.staging import fetched
 

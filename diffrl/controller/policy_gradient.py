@@ -45,7 +45,7 @@ from diffrl.telemetry import mfu_metrics, peak_flops, peak_over_workers
 from diffrl.train.batch import TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.transition import RolloutSummary
-from diffrl.workers.group import gather
+from diffrl.workers.futures import gather
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 

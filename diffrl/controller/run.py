@@ -109,7 +109,7 @@ def worker_options(cfg: Config) -> dict[str, Any]:
 def _job_processes(cfg: Config, model_workers: int, use_ray: bool) -> Iterator[Any]:
     """Split the cores over the job's processes (diffrl/workers/threads.py) and, with Ray, start
     or join the cluster; undo both on exit. Yields the thread plan."""
-    from diffrl.workers.group import ensure_ray
+    from diffrl.workers.ray_group import ensure_ray
     from diffrl.workers.threads import plan_threads, set_threads
 
     threads = plan_threads(model_workers, cfg.reward.workers if use_ray else 0, ray=use_ray)
@@ -184,7 +184,8 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
     """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
     exit, also when starting one of them failed."""
     from diffrl.telemetry.console import progress
-    from diffrl.workers.group import InProcessGroup, RayGroup
+    from diffrl.workers.group import InProcessGroup
+    from diffrl.workers.ray_group import RayGroup
     from diffrl.workers.roles import HybridWorker
     from diffrl.workers.threads import thread_env
 
@@ -233,7 +234,7 @@ def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
             yield Colocated(cfg, workers), rewards
         return
     from diffrl.telemetry.console import progress
-    from diffrl.workers.group import RayGroup
+    from diffrl.workers.ray_group import RayGroup
     from diffrl.workers.roles import ActorWorker, RolloutWorker
     from diffrl.workers.threads import thread_env
 

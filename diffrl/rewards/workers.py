@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardSpec, reward_specs
-from diffrl.workers.group import WorkerError, WorkerIdentity, learn_identities, log_tail
+from diffrl.workers.errors import WorkerError, WorkerIdentity, log_tail
+from diffrl.workers.ray_group import learn_identities
 
 #: Seconds the reward actors may take to load their models before the run gives up on them.
 READY_TIMEOUT_S = 900.0

@@ -1,20 +1,25 @@
 """Workers: the processes that hold models, and the groups the single controller calls them through.
 
-`group` holds the calling machinery (`WorkerGroup`, `RayGroup`, `InProcessGroup`, `gather`,
-`wait_any`, `ensure_ray`); worker roles (actor, rollout, reference, hybrid) are plain classes in `roles`.
+The calling machinery, each module importing only from those above it:
+
+- `errors`: `WorkerError` (a worker's method raised or its process died) and `WorkerIdentity`
+  (where a Ray worker runs), with the last lines a dead worker logged.
+- `futures`: `WorkerFuture` (one pending call) and the waits `gather` and `wait_any`: fail fast,
+  naming a dead worker before the peers it broke.
+- `group`: the `WorkerGroup` API (`call`, `scatter`, `submit`, their `_async` forms) and
+  `InProcessGroup`.
+- `ray_group`: `RayGroup` (one Ray actor per worker, wired for torch.distributed) and
+  `ensure_ray`.
+
+Worker roles (actor, rollout, reference, hybrid) are plain classes in `roles`; weight sync from
+trainer ranks to rollout replicas is `weight_sync`, a step's trajectories on the trainer ranks
+`staging`, the thread plan `threads`.
 """
 
-from diffrl.workers.group import (
-    InProcessGroup,
-    RayGroup,
-    WorkerError,
-    WorkerFuture,
-    WorkerGroup,
-    WorkerIdentity,
-    ensure_ray,
-    gather,
-    wait_any,
-)
+from diffrl.workers.errors import WorkerError, WorkerIdentity
+from diffrl.workers.futures import WorkerFuture, gather, wait_any
+from diffrl.workers.group import InProcessGroup, WorkerGroup
+from diffrl.workers.ray_group import RayGroup, ensure_ray
 
 __all__ = [
     "InProcessGroup",

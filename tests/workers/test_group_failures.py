@@ -21,7 +21,8 @@ import ray
 import ray.cloudpickle
 
 from diffrl.workers import InProcessGroup, RayGroup, WorkerError, WorkerIdentity, gather, wait_any
-from diffrl.workers.group import DEATH_GRACE_S, _read_tails, _remote_tails, log_tail
+from diffrl.workers.errors import _read_tails, _remote_tails, log_tail
+from diffrl.workers.futures import DEATH_GRACE_S
 
 # Ray's workers do not have tests/workers on their path: send this module's classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -17,7 +17,7 @@ CLUSTER_SCRIPT = textwrap.dedent(
     """
     import json, os, psutil, sys
     import diffrl.controller.run  # what `diffrl train` imports before it starts Ray
-    from diffrl.workers.group import ensure_ray
+    from diffrl.workers.ray_group import ensure_ray
     assert "ray" not in sys.modules, "diffrl imported ray before ensure_ray could configure it"
     assert ensure_ray(num_cpus=1)
     import ray
@@ -96,7 +96,7 @@ def test_local_cluster_listens_on_loopback_only_and_requires_a_token():
 
 
 def test_ray_imported_first_is_a_clear_error_not_an_exposed_cluster():
-    script = "import ray\nfrom diffrl.workers.group import ensure_ray\nensure_ray(num_cpus=1)\n"
+    script = "import ray\nfrom diffrl.workers.ray_group import ensure_ray\nensure_ray(num_cpus=1)\n"
     result = subprocess.run(
         [sys.executable, "-c", script], env=_child_env(), capture_output=True, text=True, timeout=120
     )
