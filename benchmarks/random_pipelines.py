@@ -13,6 +13,13 @@ what a training step measures):
     wan21_1_3b   Wan2.1-T2V-1.3B: WanTransformer3DModel 1.42 B (30 blocks, 12 x 128, ffn 8960),
                  AutoencoderKLWan (fp32), UMT5 text encoder of width 4096       ~3.4 GB on disk
     wan21_14b    Wan2.1-T2V-14B: 14.29 B (40 blocks, 40 x 128, ffn 13824)       ~29 GB on disk
+    flux_kontext FLUX.1-Kontext-dev (FluxKontextPipeline): flux_dev's components ~24 GB on disk
+    qwen_image_edit
+                 Qwen-Image-Edit (QwenImageEditPipeline): qwen_image's components plus the
+                 Qwen2.5-VL processor (its real image processor: 14-pixel patches, 2x2 merge, up
+                 to 12.8 M pixels, so a 1024² condition image is 1,369 text tokens, as in the real
+                 model); the text encoder's vision tower has one small block projecting to the
+                 text width 3584                                                ~41 GB on disk
 
 The transformer is never materialised in fp32 on the host: it is built with empty (meta)
 parameters, then each parameter is allocated in bf16 on `--device` and drawn from a seeded
@@ -20,16 +27,20 @@ N(0, 0.02) (biases 0, norm weights 1). diffusers' transformers define no weight 
 and this scale keeps a forward finite and O(1) at full depth; the script checks that with one
 forward and one VAE decode through diffrl's own adapter before writing. The directory is written
 with `save_pretrained` (safetensors, bf16) into a staging folder renamed at the end, so a partly
-written model is never taken for a complete one.
+written model is never taken for a complete one. The edit families' check conditions its prompt on a
+generated picture (`condition_image`), which the adapter resizes to about one megapixel, as the
+pipelines do.
 
     python benchmarks/random_pipelines.py flux_dev /tmp/diffrl_random/flux_dev          # on the GPU
     python benchmarks/random_pipelines.py qwen_image /tmp/qi --layers 1 --device cpu    # CPU smoke
     python benchmarks/random_pipelines.py wan21_14b --plan                              # sizes only
+    python benchmarks/random_pipelines.py qwen_image_edit /tmp/qie --device cuda        # an edit family
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -112,6 +123,13 @@ WAN_VAE: dict = {}
 # Wan2.1's scheduler flow_shift (3.0 for 480p); the conversion script writes
 # FlowMatchEulerDiscreteScheduler(shift=3.0), which is also what diffrl samples.
 WAN_SHIFT = 3.0
+# Qwen2.5-VL's image processor, as the Qwen2-VL / Qwen2.5-VL checkpoints' preprocessor_config.json
+# sets it (Qwen-Image-Edit's processor/ folder has the same 12.8 M-pixel budget): 14-pixel patches, 2
+# frames per temporal patch, 2x2 merge, 56² to 12,845,056 pixels; the vision tower's patch sizes are
+# its config defaults, the same numbers.
+QWEN_VL_IMAGE_PROCESSOR = dict(
+    min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2
+)
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,26 @@ FAMILIES: dict[str, Family] = {
         ("num_layers",),
         14_288_491_584,
         "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer (safetensors total; each Wan2.2-A14B expert too)",
+    ),
+    # The edit models are their text-to-image base's transformer fine-tuned: the same architecture,
+    # so the base's count. Derived, not read from their own safetensors metadata: the Hub lists
+    # FLUX.1-Kontext-dev's transformer as 23.8 GB in shards of 9.98 / 9.95 / 3.87 GB (FLUX.1-dev's
+    # exactly) and Qwen-Image-Edit's as 40.9 GB (Qwen-Image's); 2 bytes x the counts below.
+    "flux_kontext": Family(
+        "FluxTransformer2DModel",
+        FLUX_DEV_TRANSFORMER,
+        ("num_layers", "num_single_layers"),
+        11_901_408_320,
+        "black-forest-labs/FLUX.1-Kontext-dev transformer: FLUX.1-dev's architecture and count "
+        "(derived; the Hub's 23.8 GB of bf16 shards agree)",
+    ),
+    "qwen_image_edit": Family(
+        "QwenImageTransformer2DModel",
+        QWEN_IMAGE_TRANSFORMER,
+        ("num_layers",),
+        20_430_401_088,
+        "Qwen/Qwen-Image-Edit transformer: Qwen-Image's architecture and count "
+        "(derived; the Hub's 40.9 GB of bf16 shards agree)",
     ),
 }
 
@@ -226,8 +264,11 @@ def plan(family: str, layers: int | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------- components
-def _flux_pipeline(transformer):
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+def _flux_pipeline(transformer, pipeline_class: str = "FluxPipeline"):
+    """FLUX.1-dev's components; `pipeline_class` FluxKontextPipeline takes the same ones (its
+    optional IP-adapter image encoder left out)."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from diffrl.models import tiny_text
@@ -259,7 +300,7 @@ def _flux_pipeline(transformer):
             **tiny_text.text_encoder_ids(t5_tok),
         )
     )
-    return FluxPipeline(
+    return getattr(diffusers, pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER_CONFIG),
         vae=AutoencoderKL(**FLUX_VAE),
         text_encoder=clip,
@@ -270,27 +311,42 @@ def _flux_pipeline(transformer):
     )
 
 
-def _qwen_image_pipeline(transformer):
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def _qwen_image_pipeline(transformer, edit: bool = False):
+    """Qwen-Image's components; with `edit`, QwenImageEditPipeline's: the same plus the processor
+    that turns the condition image into the text encoder's image tokens."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImagePipeline,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
     from diffrl.models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_qwen2_tokenizer
+    from diffrl.models.qwen_image_edit import TINY_EDIT_VOCAB_SIZE, ImageOnlyQwen2VLProcessor
 
     # QwenImagePipeline (text-to-image) needs a Qwen2.5-VL text encoder and a Qwen2 tokenizer, no
     # processor (only the edit pipelines take images). The template and its prefix length live on
-    # the pipeline instance, so the tokenizer is built after it.
-    pipe = QwenImagePipeline(
+    # the pipeline instance, so the tokenizer is built after it (the edit template's longer prefix
+    # needs a larger tiny vocabulary to be its 64 tokens).
+    pipe = (QwenImageEditPipeline if edit else QwenImagePipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
         vae=AutoencoderKLQwenImage(**QWEN_IMAGE_VAE),
         text_encoder=None,
         tokenizer=None,
         transformer=transformer,
+        **({"processor": None} if edit else {}),
     )
-    tokenizer = tiny_qwen2_tokenizer(pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx)
+    tokenizer = tiny_qwen2_tokenizer(
+        pipe.prompt_template_encode,
+        pipe.prompt_template_encode_start_idx,
+        **({"vocab_size": TINY_EDIT_VOCAB_SIZE} if edit else {}),
+    )
     ids = tokenizer.convert_tokens_to_ids
     # Qwen2.5-VL-7B-Instruct's text width and attention shape (hidden 3584 = 28 heads x 128, 4 KV
     # heads, mrope_section [16, 24, 24], rope_theta 1e6: its config.json), one layer with a small
-    # MLP; a one-block vision tower projecting to 3584.
+    # MLP; a one-block vision tower (the real one: 32 blocks of width 1280) projecting to 3584,
+    # the text width its image tokens enter the text model at. Only the edit pipelines run it.
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
@@ -323,7 +379,17 @@ def _qwen_image_pipeline(transformer):
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
-    pipe.register_modules(text_encoder=Qwen2_5_VLForConditionalGeneration(config), tokenizer=tokenizer)
+    processor = {}
+    if edit:
+        # Without the video part, which needs torchvision (diffrl.models.qwen_image_edit); saved
+        # under the real class's name (save_pipeline).
+        image_processor = Qwen2VLImageProcessor(**QWEN_VL_IMAGE_PROCESSOR)
+        processor["processor"] = ImageOnlyQwen2VLProcessor(
+            image_processor=image_processor, tokenizer=tokenizer
+        )
+    pipe.register_modules(
+        text_encoder=Qwen2_5_VLForConditionalGeneration(config), tokenizer=tokenizer, **processor
+    )
     return pipe
 
 
@@ -362,6 +428,8 @@ _PIPELINES = {
     "qwen_image": _qwen_image_pipeline,
     "wan21_1_3b": _wan_pipeline,
     "wan21_14b": _wan_pipeline,
+    "flux_kontext": functools.partial(_flux_pipeline, pipeline_class="FluxKontextPipeline"),
+    "qwen_image_edit": functools.partial(_qwen_image_pipeline, edit=True),
 }
 
 
@@ -385,8 +453,21 @@ def build_pipeline(family: str, device: torch.device, layers: int | None = None,
     return pipe
 
 
+def condition_image(width: int, height: int, seed: int = 0):
+    """A smooth random RGB picture (colour ramps plus a little noise) to condition an edit on."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 1, width)[None, :, None] * rng.random(3) + np.linspace(0, 1, height)[:, None, None]
+    pixels = ramp / ramp.max() * 200 + rng.random((height, width, 3)) * 55
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
 def sanity_check(pipe, device: torch.device) -> dict:
-    """One prompt through diffrl's adapter at 64x64 (one frame): encode, one velocity, decode.
+    """One prompt through diffrl's adapter at 64x64 (one frame): encode, one velocity, decode. An
+    edit family's prompt comes with its condition image(s) (`condition_image`, 64x64, resized by
+    the adapter as by the pipeline: about one megapixel).
 
     Raises if the velocity or the pixels are not finite; returns their statistics.
     """
@@ -394,19 +475,28 @@ def sanity_check(pipe, device: torch.device) -> dict:
 
     adapter = adapter_class(type(pipe).__name__)(pipe, torch.device(device), torch.bfloat16)
     size = 64
+    prompts = ["a red circle left of a blue square"]
+    rule = adapter.condition_rule
     with torch.no_grad():
-        cond = adapter.encode_prompts(["a red circle left of a blue square"], None, 16)
+        if rule is None:
+            cond = adapter.encode_prompts(prompts, None, 16)
+        else:
+            images = [[condition_image(size, size, seed) for seed in range(rule.min_images)]]
+            cond = adapter.encode_conditioned(prompts, None, 16, images)
         generator = torch.Generator(device=device).manual_seed(0)
         latents = adapter.init_noise([generator], size, size)
         velocity = adapter.velocity(latents, torch.tensor([500.0]), cond, 3.5, size, size)
         pixels = adapter.decode(latents - 0.5 * velocity, size, size)
     if not torch.isfinite(velocity).all():
         raise RuntimeError("the random transformer's velocity is not finite: the init scale is wrong")
-    return {
+    stats = {
         "velocity_std": velocity.std().item(),
         "velocity_abs_max": velocity.abs().max().item(),
         "pixel_mean": pixels.float().mean().item(),
     }
+    if rule is not None:
+        stats["condition_tokens"] = cond.cond_latents.shape[1]
+    return stats
 
 
 def _dir_bytes(path: Path) -> int:
@@ -423,6 +513,8 @@ def _report_progress(path: Path, expected: float, done: threading.Event, every_s
 
 def write(family: str, out: Path, device: str, layers: int | None = None, seed: int = 0) -> dict:
     """Build, check and save the pipeline at `out` (which must not exist); returns a summary."""
+    from diffrl.models.qwen_image_edit import save_pipeline
+
     out = Path(out)
     if (out / "model_index.json").exists():
         raise FileExistsError(f"{out} already holds a pipeline: remove it first or pick another OUT")
@@ -457,7 +549,7 @@ def write(family: str, out: Path, device: str, layers: int | None = None, seed: 
     reporter.start()
     start = time.perf_counter()
     try:
-        pipe.save_pretrained(staging, safe_serialization=True)
+        save_pipeline(pipe, staging)  # safetensors; an edit pipeline's processor by its real class
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

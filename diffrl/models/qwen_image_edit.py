@@ -362,7 +362,7 @@ def _condition_latents(cond: PromptEmbeds, family: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------- tiny builders
 #: The tiny tokenizer's vocabulary for the edit templates: enough merges that the template's system
 #: part is 64 tokens, the count the pipelines drop (as with the real tokenizer).
-_EDIT_VOCAB_SIZE = 640
+TINY_EDIT_VOCAB_SIZE = 640
 
 
 def _tiny_processor(tokenizer) -> ImageOnlyQwen2VLProcessor:
@@ -376,11 +376,14 @@ def _tiny_processor(tokenizer) -> ImageOnlyQwen2VLProcessor:
     )
 
 
-def _save(pipe, path: Path) -> Path:
-    """Save, naming the processor by its real class in model_index.json (the image-only subclass
-    is how this process built it, not what the directory holds)."""
+def save_pipeline(pipe, path: Path) -> Path:
+    """`pipe.save_pretrained(path)`, naming a processor built as `ImageOnlyQwen2VLProcessor` by its
+    real class in model_index.json (the image-only subclass is how this process built it, not what
+    the directory holds). Also saves pipelines without one (`benchmarks/random_pipelines.py`)."""
     path = Path(path)
     pipe.save_pretrained(path)
+    if not isinstance(getattr(pipe, "processor", None), ImageOnlyQwen2VLProcessor):
+        return path
     index_file = path / "model_index.json"
     index = json.loads(index_file.read_text())
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
@@ -392,13 +395,14 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     """A tiny random `QwenImageEditPipeline` (Qwen-Image's tiny transformer, Qwen2.5-VL text encoder
     and VAE at half width, `diffrl.models.qwen_image.tiny_pipeline`, plus a processor) written to
     `path`."""
-    return _save(
-        tiny_pipeline(QwenImageEditPipeline, seed, _EDIT_VOCAB_SIZE, 4, processor=_tiny_processor), path
+    return save_pipeline(
+        tiny_pipeline(QwenImageEditPipeline, seed, TINY_EDIT_VOCAB_SIZE, 4, processor=_tiny_processor), path
     )
 
 
 def build_tiny_plus(path: Path, seed: int = 0) -> Path:
     """A tiny random `QwenImageEditPlusPipeline` (as `build_tiny`) written to `path`."""
-    return _save(
-        tiny_pipeline(QwenImageEditPlusPipeline, seed, _EDIT_VOCAB_SIZE, 4, processor=_tiny_processor), path
+    return save_pipeline(
+        tiny_pipeline(QwenImageEditPlusPipeline, seed, TINY_EDIT_VOCAB_SIZE, 4, processor=_tiny_processor),
+        path,
     )
