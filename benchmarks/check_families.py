@@ -1,14 +1,17 @@
-"""`diffrl check` on full-size random pipelines of SD3.5-Medium, FLUX.1-dev and Qwen-Image: one JSON line.
+"""`diffrl check` on full-size random pipelines of SD3.5-Medium, FLUX.1-dev, Qwen-Image and the edit
+families FLUX.1 Kontext and Qwen-Image-Edit: one JSON line.
 
-Each family's first preset (`sd35_medium_ocr`, `flux_dev_lora`, `qwen_image_ocr`) is checked at its
-own resolution, steps, guidance, SDE window, LoRA, micro-batches and compile setting, with the
-changes `family_presets.py` makes to run a preset on one GPU (its per-GPU batch share, the
-`jpeg_compressibility` reward standing in for OCR / PickScore, the built-in prompts). The check's
-rows (measured value, tolerance, verdict) come back per family, with its exit status and seconds.
-Each family runs in its own process, so one family's CUDA memory and compiled graphs do not carry
-into the next one's memory rows.
+Each family's first preset (`sd35_medium_ocr`, `flux_dev_lora`, `qwen_image_ocr`,
+`flux_kontext_lora`, `qwen_image_edit_lora`) is checked at its own resolution, steps, guidance, SDE
+window, LoRA, micro-batches and compile setting, with the changes `family_presets.py` makes to run a
+preset on one GPU (its per-GPU batch share, the `jpeg_compressibility` reward standing in for OCR /
+PickScore, the built-in prompts, or for an edit family generated prompts with condition images in a
+temporary folder). The check's rows (measured value, tolerance, verdict) come back per family, with
+its exit status and seconds. Each family runs in its own process, so one family's CUDA memory and
+compiled graphs do not carry into the next one's memory rows.
 
-    python benchmarks/check_families.py                              # all three, on the GPU
+    python benchmarks/check_families.py                              # all five, on the GPU
+    python benchmarks/check_families.py --family qwen_image_edit     # one of them
     python benchmarks/check_families.py --family sd35_medium --layers 1 --device cpu \\
         --set model.dtype=float32 rollout.pipeline.height=64 rollout.pipeline.width=64   # CPU smoke
 """
@@ -19,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +34,13 @@ import family_presets  # noqa: E402
 
 #: family -> its preset; the random pipeline comes from family_presets.build_model, SD3.5-M's from
 #: random_sd35_medium.py
-PRESETS = {"sd35_medium": "sd35_medium_ocr", "flux_dev": "flux_dev_lora", "qwen_image": "qwen_image_ocr"}
+PRESETS = {
+    "sd35_medium": "sd35_medium_ocr",
+    "flux_dev": "flux_dev_lora",
+    "qwen_image": "qwen_image_ocr",
+    "flux_kontext": "flux_kontext_lora",
+    "qwen_image_edit": "qwen_image_edit_lora",
+}
 # Run keys a check does not read; `one_gpu_overrides` sets them for a training run.
 TRAIN_ONLY = ("trainer.save_freq", "trainer.test_freq", "trainer.val_before_train", "trainer.loggers")
 
@@ -63,13 +73,18 @@ def check_family(family: str, model: Path, extra: list[str], quick: bool) -> dic
     from diffrl.controller.check import check
 
     preset = PRESETS[family]
-    overrides = [
-        f"model.path={model}",
-        *(o for o in family_presets.one_gpu_overrides(preset, False) if not o.startswith(TRAIN_ONLY)),
-        *extra,
-    ]
-    start = time.perf_counter()
-    report = check(preset, overrides, quick=quick)
+
+    def run_overrides(prompt_file: str) -> list[str]:
+        one_gpu = family_presets.one_gpu_overrides(preset, False, prompt_file=prompt_file)
+        return [f"model.path={model}", *(o for o in one_gpu if not o.startswith(TRAIN_ONLY)), *extra]
+
+    with tempfile.TemporaryDirectory(prefix="check_families_") as data_dir:
+        prompts = family_presets.prompts_for(
+            model, preset, Path(data_dir), run_overrides(family_presets.PROMPTS)
+        )
+        overrides = run_overrides(prompts)
+        start = time.perf_counter()
+        report = check(preset, overrides, quick=quick)
     return {
         "preset": preset,
         "exit_code": report.exit_code,

@@ -16,7 +16,10 @@ window, LoRA, loss, micro-batches, compile) and these changes, all listed in the
 - the reward: `jpeg_compressibility` (needs no external model) instead of the preset's
   PickScore / OCR / CLIP, on one CPU reward worker, on the same video frames as the preset's
   reward. The reward's own cost is then not measured;
-- data: the built-in `simple_prompts.txt`; no checkpoints, no validation.
+- data: the built-in `simple_prompts.txt`; for an edit family (FLUX.1 Kontext, Qwen-Image-Edit),
+  whose prompts need condition images, a generated `edit_prompts/prompts.jsonl` in the output
+  directory: `EDIT_ROWS` edit instructions, each with its own generated picture at the run's
+  resolution (`random_pipelines.condition_image`). No checkpoints, no validation.
 
 The first `--warmup` steps (compilation) are excluded, the rest averaged (`run_metrics.py`). A
 "sample" (`images_per_*`, `per_image_s`) is one trajectory: an image, or a video for Wan.
@@ -24,6 +27,8 @@ The first `--warmup` steps (compilation) are excluded, the rest averaged (`run_m
     python benchmarks/family_presets.py --family flux_dev                 # FLUX.1-dev LoRA, 3 steps
     python benchmarks/family_presets.py --family qwen_image --preset all  # the 3 Qwen-Image presets
     python benchmarks/family_presets.py --family qwen_image --gpus 2      # 2 GPUs, each one GPU's share
+    python benchmarks/family_presets.py --family flux_kontext            # FLUX.1 Kontext LoRA (edit)
+    python benchmarks/family_presets.py --family qwen_image_edit         # Qwen-Image-Edit LoRA (edit)
     python benchmarks/family_presets.py --family wan21_1_3b --layers 1 --device cpu \\
         --set rollout.pipeline.height=64 rollout.pipeline.width=64 ...    # CPU smoke run
 """
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,10 +56,24 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "flux_dev": ("flux_dev", ("flux_dev_lora",)),
     "qwen_image": ("qwen_image", ("qwen_image_ocr", "qwen_image_dpo", "qwen_image_flow_dppo")),
     "wan21_1_3b": ("wan21_1_3b", ("wan21_t2v_1_3b_lora", "wan21_t2v_1_3b_video")),
+    "flux_kontext": ("flux_kontext", ("flux_kontext_lora",)),
+    "qwen_image_edit": ("qwen_image_edit", ("qwen_image_edit_lora",)),
 }
 REWARD = "jpeg_compressibility"
 PROMPTS = "builtin:simple_prompts.txt"
 MODELS_DIR = Path("/tmp/diffrl_random")
+#: Rows of an edit family's generated prompt file (the sampler wraps round them for larger batches).
+EDIT_ROWS = 8
+EDIT_INSTRUCTIONS = (
+    "make the sky orange",
+    "add a red hat",
+    "turn it into a pencil sketch",
+    "put a small boat on the left",
+    "make it night time",
+    "add the text hello in white letters",
+    "replace the background with a forest",
+    "make the colours warmer",
+)
 
 
 def default_model_dir(family: str, layers: int | None) -> Path:
@@ -79,10 +99,46 @@ def build_model(family: str, path: Path, layers: int | None, device: str) -> Non
         sys.stdout = stdout
 
 
-def one_gpu_overrides(preset: str, global_batch: bool, gpus_here: int = 1) -> list[str]:
+def edit_prompt_file(folder: Path, width: int, height: int, rows: int = EDIT_ROWS) -> Path:
+    """Write `rows` edit prompts with condition images to `folder` (docs/data.md, "Condition images":
+    .jsonl rows {"prompt": ..., "image": <path relative to the file>}): one generated picture of
+    `width` x `height` per row, all of one size as a run's batches need. Returns the .jsonl file."""
+    import random_pipelines
+
+    images = Path(folder) / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(rows):
+        random_pipelines.condition_image(width, height, seed=i).save(images / f"{i}.png")
+        prompt = EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]
+        lines.append(json.dumps({"prompt": prompt, "image": f"images/{i}.png"}))
+    path = Path(folder) / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def prompts_for(model: Path, preset: str, out: Path, overrides: Sequence[str] = ()) -> str:
+    """The prompt file a run on `model` reads: the built-in prompts, or for an edit model a generated
+    file of prompts with condition images (`edit_prompt_file`) under `out`, at the resolution of
+    `preset` with the run's `overrides` (all of them: the config they make must be valid)."""
+    from diffrl.config.loader import load_config
+    from diffrl.models import edits_images
+
+    if not edits_images(model):
+        return PROMPTS
+    pipeline = load_config(preset, list(overrides)).rollout.pipeline
+    folder = Path(out) / "edit_prompts" / f"{pipeline.width}x{pipeline.height}"
+    if (folder / "prompts.jsonl").exists():
+        return str(folder / "prompts.jsonl")
+    return str(edit_prompt_file(folder, pipeline.width, pipeline.height))
+
+
+def one_gpu_overrides(
+    preset: str, global_batch: bool, gpus_here: int = 1, prompt_file: str = PROMPTS
+) -> list[str]:
     """The changes that run `preset` on one GPU with a reward that needs no model (module docstring);
     with `gpus_here` > 1, on that many GPUs colocated, each with one GPU's share of the batch and
-    `actor.strategy` left to the run (`auto`)."""
+    `actor.strategy` left to the run (`auto`). `prompt_file`: the prompts (`prompts_for`)."""
     from diffrl.config.loader import load_config
 
     cfg = load_config(preset)
@@ -108,7 +164,7 @@ def one_gpu_overrides(preset: str, global_batch: bool, gpus_here: int = 1) -> li
         f"reward.functions=!replace {{{REWARD}: {{weight: 1.0{video_frames}}}}}",
         "reward.workers=1",
         "reward.gpus_per_worker=0",
-        f"data.train_files=[{PROMPTS}]",
+        f"data.train_files=[{prompt_file}]",
         "data.val_files=[]",
         "trainer.save_freq=0",
         "trainer.test_freq=0",
@@ -121,14 +177,17 @@ def run_preset(preset: str, model: Path, out: Path, args: argparse.Namespace) ->
     from diffrl.config.loader import load_config
     from diffrl.controller.run import train
 
-    overrides = [
-        f"model.path={model}",
-        *one_gpu_overrides(preset, args.global_batch, args.gpus),
-        f"trainer.total_steps={args.steps}",
-        f"trainer.output_dir={out}",
-        f"trainer.run_name={preset}",
-        *args.set,
-    ]
+    def run_overrides(prompt_file: str) -> list[str]:
+        return [
+            f"model.path={model}",
+            *one_gpu_overrides(preset, args.global_batch, args.gpus, prompt_file),
+            f"trainer.total_steps={args.steps}",
+            f"trainer.output_dir={out}",
+            f"trainer.run_name={preset}",
+            *args.set,
+        ]
+
+    overrides = run_overrides(prompts_for(model, preset, out, run_overrides(PROMPTS)))
     cfg = load_config(preset, overrides)
     start = time.perf_counter()
     run_dir = train(preset, overrides)
@@ -176,6 +235,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, applied last")
     parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
     args = parser.parse_args()
+    from diffrl.models import edits_images
     from diffrl.telemetry.console import configure
 
     configure(verbose=args.verbose)  # quiet workers, as `diffrl train` has them
@@ -191,6 +251,9 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="family_presets_"))
     model = args.model or default_model_dir(args.family, args.layers)
     build_model(args.family, model, args.layers, args.device)
+    data = (
+        f"{EDIT_ROWS} generated edit rows with images (edit_prompt_file)" if edits_images(model) else PROMPTS
+    )
     try:
         if preset == "all":
             # Each preset in its own process: compiled graphs, dynamo's caches and the CUDA
@@ -221,7 +284,7 @@ def main() -> None:
                 "model": str(model),
                 "model_layers": args.layers,
                 "reward": f"{REWARD} (stands in for the preset's reward: it needs no external model)",
-                "data": PROMPTS,
+                "data": data,
                 "batch": "the preset's whole batch" if args.global_batch else "the preset's per-GPU share",
                 "gpus": args.gpus,
                 "warmup_steps": args.warmup,
