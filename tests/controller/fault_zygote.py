@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 ZYGOTE = textwrap.dedent(
@@ -200,20 +201,23 @@ RUN_DEADLINE_S = 600.0
 
 
 def start_zygote(tmp_path_factory, env: dict[str, str] | None = None):
-    """Generator for a module-scoped fixture: yields `run(argv, kill=None, env=None)`, the exit code
-    of `diffrl <argv>` in a forked child (-9 when it was SIGKILLed); `run.log` is the children's
-    output. A run that has not ended after `RUN_DEADLINE_S` fails the test; the zygote's process
-    group (the zygote, the run and those of its processes that stayed in the group) is killed."""
-    env = {
-        **os.environ,
-        "DIFFRL_CACHE": str(tmp_path_factory.mktemp("cache")),
-        "OMP_NUM_THREADS": "1",
-        **(env or {}),
-    }
-    log = tmp_path_factory.mktemp("zygote") / "children.log"
+    """Generator for a module-scoped fixture: `serve_zygote` of this module's kill hooks, with a
+    model cache of the module's own and `env` added to the environment."""
+    env = {"DIFFRL_CACHE": str(tmp_path_factory.mktemp("cache")), **(env or {})}
+    yield from serve_zygote(ZYGOTE, env, tmp_path_factory.mktemp("zygote") / "children.log")
+
+
+def serve_zygote(script: str, env: dict[str, str], log: Path):
+    """Generator for a fixture: starts `script` (a zygote reading one JSON job per line, as
+    `ZYGOTE`) with `env` over this environment and one thread per process, and yields
+    `run(argv, kill=None, env=None)`, the exit code of `diffrl <argv>` in a forked child (-9 when
+    it was SIGKILLed); `run.log` is the children's output. A run that has not ended after
+    `RUN_DEADLINE_S` fails the test; the zygote's process group (the zygote, the run and those of
+    its processes that stayed in the group) is killed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     with open(log, "w") as children_output:
         proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE],
+            [sys.executable, "-c", script],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=children_output,
@@ -295,3 +299,22 @@ def wait_gone(tag: str, log: str, seconds: float, ignore: tuple[str, ...] = ()) 
 def kill_time(log: str) -> float:
     """The CLOCK_MONOTONIC time (system-wide on Linux) of the run's last worker kill."""
     return float(re.findall(r"fault: worker killed at ([0-9.]+)", log)[-1])
+
+
+def run_until_killed(zygote, argv: list[str], kill: dict, message: str) -> tuple[str, str]:
+    """`diffrl <argv>` in the zygote with `kill`, tagged so its processes can be found: it must exit
+    1 with an error matching `message` within 60 s of the kill. Returns the tag and the run's part
+    of the zygote's log, for the caller's checks of what the run left behind (`wait_gone`)."""
+    tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+    earlier = len(zygote.log.read_text())  # the log holds the module's earlier runs too
+    code = zygote(argv, kill=kill, env={tag: "1"})
+    ended = time.monotonic()
+    log = zygote.log.read_text()[earlier:]
+    assert code == 1, log[-3000:]
+    found = re.search(message, log)
+    assert found, log[-3000:]
+    # The bound is on noticing the death, not on starting Ray and the workers (load-dependent).
+    killed_at = kill_time(log)
+    print(f"\n{kill}: the run ended {ended - killed_at:.1f} s after the kill: {found.group(0)}")
+    assert ended - killed_at < 60, f"the run took {ended - killed_at:.0f} s to end after the kill"
+    return tag, log

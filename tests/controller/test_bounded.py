@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 import textwrap
 import time
 from collections import deque
@@ -22,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fault_zygote import serve_zygote
 from in_process_pools import in_process_pools
 
 from diffrl.controller.bounded import BoundedPipeline
@@ -367,29 +365,8 @@ ZYGOTE = textwrap.dedent(
 def zygote(tmp_path):
     """`diffrl <argv>` in a child forked from a process that imported diffrl once; returns its
     exit code (-9 when it was SIGKILLed at update `kill`)."""
-    env = {**os.environ, "DIFFRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    log = tmp_path / "children.log"
-    with open(log, "w") as children_output:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE.format(here=str(HERE))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=children_output,
-            text=True,
-            env=env,
-        )
-
-        def run(argv, kill=None):
-            proc.stdin.write(json.dumps({"argv": argv, "kill": kill}) + "\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            assert line, log.read_text()[-3000:]
-            return json.loads(line)["status"]
-
-        run.log = log
-        yield run
-        proc.stdin.close()
-        proc.wait(timeout=30)
+    env = {"DIFFRL_CACHE": str(tmp_path / "cache")}
+    yield from serve_zygote(ZYGOTE.format(here=str(HERE)), env, tmp_path / "children.log")
 
 
 def _steps_of_lines(run_dir: Path) -> list[int]:
