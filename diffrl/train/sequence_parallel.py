@@ -235,6 +235,7 @@ class UlyssesSequenceParallel:
         number of FSDP modules set. Call after sharding, on every rank.
         """
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
 
         modules = [m for m in self.transformer.modules() if isinstance(m, FSDPModule)]
         if not modules:
@@ -244,7 +245,9 @@ class UlyssesSequenceParallel:
             )
         world = self.dp_size * self.sp_size
         for module in modules:
-            fsdp_ranks = module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh.size()
+            # The mesh from the module's sharded parameters (DTensors), not FSDP's private state,
+            # whose layout differs between torch releases (2.11 has one param group, later lists).
+            fsdp_ranks = next(p for p in module.parameters() if isinstance(p, DTensor)).device_mesh.size()
             if fsdp_ranks != world:
                 raise ValueError(
                     f"FSDP shards over {fsdp_ranks} ranks but the SP mesh has dp·sp = {self.dp_size}·"
