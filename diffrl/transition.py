@@ -232,8 +232,24 @@ def _joined_extras(parts: Sequence[Rollout | RolloutSummary]) -> dict:
     }
 
 
+def replay_groups(steps: Sequence[int], steps_per_forward: int) -> list[list[int]]:
+    """The window steps of a micro-batch that share one transformer forward, in order:
+    consecutive runs of `steps_per_forward` (`actor.replay_steps_per_forward`; 1 = one forward per
+    step). The update and every log-prob pass group the same way, so a recomputed old log-prob
+    comes from a forward of the very shape the update's first forward has."""
+    if steps_per_forward < 1:
+        raise ValueError(f"steps_per_forward must be >= 1; got {steps_per_forward}")
+    steps = list(steps)
+    return [steps[i : i + steps_per_forward] for i in range(0, len(steps), steps_per_forward)]
+
+
 def evaluate_window(
-    adapter: ModelAdapter, rollout: Rollout, micro_batch_size: int, *, as_trained: bool = False
+    adapter: ModelAdapter,
+    rollout: Rollout,
+    micro_batch_size: int,
+    *,
+    as_trained: bool = False,
+    steps_per_forward: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_probs_BW, means [B, W, ...]) of every window step, micro-batch by micro-batch, detached.
 
@@ -241,15 +257,18 @@ def evaluate_window(
     does, and drops the autograd graph at once: compiled blocks run a different graph with grad
     (partitioned for the backward, fused and so rounded differently), so only this reproduces
     bit for bit what the trainer's first forward computes (and what a compiled sampler stores,
-    `TrajectorySampler._trained_slices`). Eager kernels are the same either way."""
+    `TrajectorySampler._trained_slices`). Eager kernels are the same either way.
+    `steps_per_forward`: window steps per transformer forward (`replay_groups`, `evaluate_steps`),
+    as the update groups them."""
     log_probs, means = [], []
     for start in range(0, len(rollout), micro_batch_size):
         mb = rollout.select(slice(start, start + micro_batch_size))
         steps = []
-        for j in range(rollout.window_size):
+        for group in replay_groups(range(rollout.window_size), steps_per_forward):
             with torch.enable_grad() if as_trained else torch.no_grad():
-                out = evaluate_step(adapter, mb, j)
-            steps.append((out.log_prob_B.detach(), out.mean.detach()))  # one step's graph at a time
+                outs = evaluate_steps(adapter, [(mb, j) for j in group])
+            # one forward's graph at a time
+            steps += [(out.log_prob_B.detach(), out.mean.detach()) for out in outs]
         log_probs.append(torch.stack([lp for lp, _ in steps], dim=1))
         means.append(torch.stack([m for _, m in steps], dim=1))
     return torch.cat(log_probs), torch.cat(means)
@@ -262,30 +281,67 @@ def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOu
     log-prob of the stored x_{k0+j+1}. Grad flows when enabled (the trainer's path); which LoRA
     adapters are active is the caller's context.
     """
-    s = rollout.settings
-    if not 0 <= j < rollout.window_size:
-        raise IndexError(f"window step {j} out of range: the rollout has {rollout.window_size} window steps")
+    return evaluate_steps(adapter, [(rollout, j)])[0]
+
+
+def evaluate_steps(adapter: ModelAdapter, parts: Sequence[tuple[Rollout, int]]) -> list[sde.StepOut]:
+    """`evaluate_step` of several (samples, window step j) parts through ONE transformer forward.
+
+    The parts' stored latents, model timesteps and conditioning rows are concatenated into one
+    batch of Σ B_i rows (batched replay: the S trained steps of a micro-batch as one forward of
+    S·B rows), the velocity is split back per part, and each part's SDE step runs on its own rows
+    with its own σ, σ' exactly as `evaluate_step` runs it. Every row's computation is the same
+    math as in a forward of its part alone; only the float rounding of the larger matmuls may
+    differ. The parts must come from one rollout (slices of it: the same prompt table and
+    settings). One part is exactly `evaluate_step`.
+    """
+    if not parts:
+        raise ValueError("evaluate_steps needs at least one (rollout, window step) part")
+    first = parts[0][0]
+    for rollout, j in parts:
+        if not 0 <= j < rollout.window_size:
+            raise IndexError(
+                f"window step {j} out of range: the rollout has {rollout.window_size} window steps"
+            )
+        if rollout.prompt_embeds is not first.prompt_embeds or rollout.settings != first.settings:
+            raise ValueError(
+                "evaluate_steps joins parts of one rollout only (slices sharing its prompt table and "
+                "settings): evaluate rollouts of different steps or samplers separately"
+            )
+    s = first.settings
     device = adapter.device
-    latents = rollout.samples.window_latents[:, j].to(device)
-    next_latents = rollout.samples.window_latents[:, j + 1].to(device)
-    batch = latents.shape[0]
+    latents = [rollout.samples.window_latents[:, j].to(device) for rollout, j in parts]
+    if len(parts) == 1:
+        rollout, j = parts[0]
+        batch = latents[0].shape[0]
+        x, timestep_B, cond = latents[0], rollout.timesteps[j].to(device).expand(batch), rollout.sample_cond()
+    else:
+        x = torch.cat(latents)
+        timestep_B = torch.cat([r.timesteps[j].to(device).expand(len(r)) for r, j in parts])
+        table = first.prompt_embeds
+        rows = torch.cat([r.samples.prompt_index_B for r, _ in parts]).to(table.embeds.device)
+        cond = table[rows]
     v = adapter.velocity(
-        latents,
-        rollout.timesteps[j].to(device).expand(batch),
-        rollout.sample_cond(),
+        x,
+        timestep_B,
+        cond,
         s.guidance_scale,
         height=s.height,
         width=s.width,
         num_frames=s.num_frames,
         true_cfg_scale=s.true_cfg_scale,
     )
-    return sde.step(
-        s.sde_type,
-        latents,
-        v,
-        rollout.sigmas[j].to(device),
-        rollout.sigmas[j + 1].to(device),
-        s.noise_level,
-        sigma_1=s.sigma_1,
-        next_latents=next_latents,
-    )
+    velocities = [v] if len(parts) == 1 else v.split([x_i.shape[0] for x_i in latents])
+    return [
+        sde.step(
+            s.sde_type,
+            x_i,
+            v_i,
+            rollout.sigmas[j].to(device),
+            rollout.sigmas[j + 1].to(device),
+            s.noise_level,
+            sigma_1=s.sigma_1,
+            next_latents=rollout.samples.window_latents[:, j + 1].to(device),
+        )
+        for (rollout, j), x_i, v_i in zip(parts, latents, velocities, strict=True)
+    ]

@@ -349,6 +349,10 @@ class ActorConfig:
     activation_offload: bool = False  # tensors saved for backward wait in host memory (save_on_cpu)
     # ranks that split one sample's video tokens (Ulysses; docs/training.md "Sequence parallel")
     sequence_parallel_size: int = 1
+    # batched replay: trained window steps per transformer forward of the update and the log-prob
+    # passes (forwards of up to this × micro_batch_size rows); 1 = one forward per step
+    # (docs/performance.md, "Batched replay"; diffrl.train.replay)
+    replay_steps_per_forward: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
@@ -367,6 +371,7 @@ class ActorConfig:
             "its step) in host memory: set one of them to false",
         )
         require_at_least(f"{at}.sequence_parallel_size", self.sequence_parallel_size, 1)
+        require_at_least(f"{at}.replay_steps_per_forward", self.replay_steps_per_forward, 1)
         self.optim.validate(f"{at}.optim")
         self.loss.validate(f"{at}.loss")
 
@@ -747,6 +752,7 @@ class Config:
                 f"{self.algorithm.old_log_probs}): there is no second log-prob to correct against. Set "
                 "algorithm.old_log_probs=recompute, or leave is_level and rejection at none",
             )
+        self._validate_replay()
         passes = self.rollout.log_prob_passes
         if passes == "rollout":
             require(
@@ -846,6 +852,38 @@ class Config:
         )
         return self
 
+    def _validate_replay(self) -> None:
+        """`actor.replay_steps_per_forward` (batched replay, diffrl.train.replay) against the rest."""
+        replay = self.actor.replay_steps_per_forward
+        if replay == 1:
+            return
+        key = "actor.replay_steps_per_forward"
+        require(
+            self.algorithm.trainer_type == POLICY_GRADIENT,
+            key,
+            replay,
+            f"batches the SDE window steps of the policy-gradient losses, but actor.loss.mode="
+            f"{self.actor.loss.mode} (algorithm.trainer_type={self.algorithm.trainer_type}) trains on "
+            "clean samples: leave it at 1",
+        )
+        window = self.rollout.sde_window_size
+        require(
+            replay <= window,
+            key,
+            replay,
+            f"must be <= the {window} trained window steps of a micro-batch (rollout.sde.window_size): "
+            f"set it to {window} to replay the whole window in one forward",
+        )
+        require(
+            self.algorithm.old_log_probs != "rollout",
+            "algorithm.old_log_probs",
+            self.algorithm.old_log_probs,
+            f"cannot reuse the sampler's log-probs with {key}={replay}: the update's forwards of up to "
+            f"{replay} × actor.micro_batch_size rows round differently from the sampler's, so PPO's "
+            "ratio would not start at exactly 1. Set algorithm.old_log_probs=auto (recomputed through "
+            f"the update's own batched forwards), or {key}=1",
+        )
+
     @property
     def world_size(self) -> int:
         """Training workers: one per GPU (or per CPU worker) over all nodes."""
@@ -866,7 +904,10 @@ class Config:
         slices of actor.micro_batch_size (`TrajectorySampler._trained_slices`), which matches only
         when those slices are the trainer's micro-batches (every training step trains every window
         step, and rollout micro-batches split into whole actor micro-batches); rollout correction
-        needs a second log-prob, so it recomputes then as before.
+        needs a second log-prob, so it recomputes then as before. Batched replay
+        (actor.replay_steps_per_forward > 1) recomputes: the update's forwards have k·B rows, the
+        sampler's B, and larger matmuls round differently; the recompute groups its forwards as
+        the update does, so the ratio starts at exactly 1 (diffrl.train.replay).
 
         Separate placement recomputes: a replica runs its own copy of the module (no FSDP
         mixed-precision casts), and in one_step_off (bounded) mode it
@@ -877,7 +918,7 @@ class Config:
         algo, rc = self.algorithm, self.algorithm.rollout_correction
         if algo.old_log_probs != "auto":
             return algo.old_log_probs == "rollout"
-        if self.trainer.placement == "separate":
+        if self.actor.replay_steps_per_forward > 1 or self.trainer.placement == "separate":
             return False
         if not self.model.compile:
             return True

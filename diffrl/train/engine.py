@@ -11,6 +11,9 @@ gradient sync only after the last. The policy-gradient terms are built here from
         backward(loss / (micro-batches × window steps))
     optim_step(): clip, skip if the gradient norm is not finite, AdamW, LR schedule
 
+With `actor.replay_steps_per_forward` = k > 1 a micro-batch's steps run k at a time, as one
+forward of k·B rows and one backward (batched replay: diffrl.train.replay).
+
 The forward-process losses (NFT, AWM, DPO: diffrl.train.preference) and supervised flow matching
 (`flow_matching_backward`) build their own terms.
 
@@ -43,15 +46,17 @@ from pathlib import Path
 
 import torch
 
-from diffrl.algos import KLLoss, LossInputs, PolicyGradientSpec, algorithm
+from diffrl.algos import KLLoss, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
+from diffrl.sde import StepOut
 from diffrl.train import offload
 from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
 from diffrl.train.parallel import average_gradients, choose_strategy
-from diffrl.transition import Rollout, evaluate_step, evaluate_window
+from diffrl.train.replay import StepPart, loss_inputs, replay_plan, weighted_mean
+from diffrl.transition import Rollout, evaluate_step, evaluate_steps, evaluate_window
 
 POLICY = "default"
 # Model timesteps are 1000·σ in every flow-matching family diffrl supports (Schedule.timesteps).
@@ -337,47 +342,43 @@ class TrainEngine:
         steps = list(range(micro_batches[0].window_size)) if window_steps is None else list(window_steps)
         if not steps:
             raise ValueError("no window steps to train: the rollouts were sampled without an SDE window")
+        if self.kl_fn is not None and any(mb.targets.ref_means is None for mb in micro_batches):
+            raise ValueError("KL is on (actor.loss.kl_coef > 0) but the micro-batch has no ref_means")
+        plan = replay_plan(micro_batches, steps, self.cfg.replay_steps_per_forward)
         terms = []
-        for mb in micro_batches:
-            if self.kl_fn is not None and mb.targets.ref_means is None:
-                raise ValueError("KL is on (actor.loss.kl_coef > 0) but the micro-batch has no ref_means")
-            mask = mb.targets.train_mask_BW
-            # each sample's terms are averaged over the steps it trains (K), then over samples
-            mask = None if mask is None else mask.cpu()  # one device-to-host copy per micro-batch
-            trained_per_sample = len(steps) if mask is None else int(mask[0, steps].sum())
-            norm = 1.0 / (len(micro_batches) * len(mb) * trained_per_sample)
-            for j in steps:
-                rows = None if mask is None else torch.nonzero(mask[:, j]).flatten()
-                if rows is not None and not len(rows):
-                    continue
-                part = mb if rows is None else mb.select(rows)
-                if not terms:
-                    first_part, first_step = part, j
-                share = len(part) * norm
-                # metrics weighted as the gradient is: the mean over (sample, trained step) pairs
-                terms.append(GradientTerm(partial(self._step_loss, part, j), share, metric_weight=share))
+        for forward in plan:
+            if len(forward.parts) == 1:
+                part = forward.parts[0]
+                loss = partial(self._step_loss, part.batch, part.step)
+            else:
+                loss = partial(self._steps_loss, forward.parts)
+            # metrics weighted as the gradient is: the mean over (sample, trained step) pairs
+            terms.append(GradientTerm(loss, forward.share, metric_weight=forward.share))
         # With step subsets (DanceGRPO) ranks can have different numbers of terms: a peer with more
         # gets padding, the smallest real computation there is (one sample at a step it trains).
-        padding = partial(self._step_loss, first_part.select(slice(0, 1)), first_step)
+        first = plan[0].parts[0]
+        padding = partial(self._step_loss, first.batch.select(slice(0, 1)), first.step)
         metrics = self.accumulate(terms, metrics_divisor=sum(t.metric_weight for t in terms), padding=padding)
         return self._reduce(metrics)
 
     def _step_loss(self, mb: PolicyGradientBatch, j: int) -> tuple[torch.Tensor, dict]:
         """The policy loss (+ KL) of window step j on micro-batch `mb`, averaged over its samples."""
-        rollout, targets, loss_cfg = mb.rollout, mb.targets, self.cfg.loss
-        out = evaluate_step(self.adapter, rollout, j)
-        device = out.log_prob_B.device
-        samples = rollout.samples
-        old_log_probs = (
-            targets.old_log_probs_BW if targets.old_log_probs_BW is not None else samples.log_probs_BW
-        )
-        old_means = targets.old_means if targets.old_means is not None else samples.means
-        inputs = LossInputs(
-            advantages_B=targets.advantages_B.to(device),
-            old_log_prob_B=old_log_probs[:, j].to(device),
-            old_mean=old_means[:, j].to(device) if self.needs_old_mean else None,
-            ref_mean=targets.ref_means[:, j].to(device) if self.kl_fn is not None else None,
-            weights_B=targets.weights_BW[:, j].to(device) if targets.weights_BW is not None else None,
+        return self._policy_loss(mb, j, evaluate_step(self.adapter, mb.rollout, j))
+
+    def _steps_loss(self, parts: Sequence[StepPart]) -> tuple[torch.Tensor, dict]:
+        """The share-weighted mean of several parts' `_step_loss`, from one transformer forward
+        (batched replay, diffrl.train.replay)."""
+        outs = evaluate_steps(self.adapter, [(part.batch.rollout, part.step) for part in parts])
+        results = [
+            self._policy_loss(part.batch, part.step, out) for part, out in zip(parts, outs, strict=True)
+        ]
+        return weighted_mean(results, [part.share for part in parts])
+
+    def _policy_loss(self, mb: PolicyGradientBatch, j: int, out: StepOut) -> tuple[torch.Tensor, dict]:
+        """The registered loss (+ kl_coef · KL) of window step j of `mb`, from its re-evaluated step."""
+        loss_cfg = self.cfg.loss
+        inputs = loss_inputs(
+            mb, j, out.log_prob_B.device, old_mean=self.needs_old_mean, ref_mean=self.kl_fn is not None
         )
         loss, metrics = self.loss_fn.compute(inputs, out, loss_cfg)
         if self.kl_fn is not None:
@@ -443,7 +444,13 @@ class TrainEngine:
         no grad, or with `as_trained` the update's own forward (`transition.evaluate_window`)."""
         with self._resharded_after(), self.use_policy(policy):
             micro = micro_batch_size or self.cfg.micro_batch_size
-            return evaluate_window(self.adapter, rollout, micro, as_trained=as_trained)
+            return evaluate_window(
+                self.adapter,
+                rollout,
+                micro,
+                as_trained=as_trained,
+                steps_per_forward=self.cfg.replay_steps_per_forward,
+            )
 
     # ------------------------------------------------------------------------------ state
     def save(self, root: str | Path, step: int, extra: dict, keep_last: int) -> Path:

@@ -163,16 +163,21 @@ class RolloutWorker:
     def evaluate(self, rollout: Rollout, policies: Sequence[str]) -> dict[str, tuple[torch.Tensor, Any]]:
         """{policy: (log-probs [B, W] on the CPU, the SDE means handed over)} of `rollout`'s window
         steps under each of `policies` (`policy` or `reference`, the adapters disabled), with the
-        trainer's math: `evaluate_window` in micro-batches of `actor.micro_batch_size`, the adapters
-        switched by `lora_policy`, as `TrainEngine.log_probs` does. On the same weights and the
-        same micro-batches the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
+        trainer's math: `evaluate_window` in micro-batches of `actor.micro_batch_size` (window
+        steps grouped per forward by `actor.replay_steps_per_forward`), the adapters switched by
+        `lora_policy`, as `TrainEngine.log_probs` does. On the same weights and the same
+        micro-batches the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
         out: dict[str, tuple[torch.Tensor, Any]] = {}
         on_device = rollout.to(self.adapter.device)
         for policy in policies:
             as_trained = policy == POLICY and self.adapter.trains_through_compiled_graph
             with self._evaluating(policy):
                 log_probs, means = evaluate_window(
-                    self.adapter, on_device, self.cfg.actor.micro_batch_size, as_trained=as_trained
+                    self.adapter,
+                    on_device,
+                    self.cfg.actor.micro_batch_size,
+                    as_trained=as_trained,
+                    steps_per_forward=self.cfg.actor.replay_steps_per_forward,
                 )
             out[policy] = (log_probs.cpu(), handed_over(means.cpu()))
         return out

@@ -143,7 +143,7 @@ def test_the_log_prob_rows_compare_with_the_pass_the_run_takes_its_old_log_probs
     # no-grad pass. Either way the window steps' velocities run in that grad mode.
     passes, velocity_grad = [], []
 
-    def spy(adapter, rollout, micro_batch_size, *, as_trained=False):
+    def spy(adapter, rollout, micro_batch_size, *, as_trained=False, steps_per_forward=1):
         passes.append(as_trained)
         velocity = adapter.velocity
 
@@ -153,7 +153,9 @@ def test_the_log_prob_rows_compare_with_the_pass_the_run_takes_its_old_log_probs
 
         adapter.velocity = recording
         try:
-            log_probs, means = evaluate_window(adapter, rollout, micro_batch_size, as_trained=as_trained)
+            log_probs, means = evaluate_window(
+                adapter, rollout, micro_batch_size, as_trained=as_trained, steps_per_forward=steps_per_forward
+            )
         finally:
             del adapter.velocity
         assert not log_probs.requires_grad and not means.requires_grad
