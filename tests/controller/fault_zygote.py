@@ -173,6 +173,11 @@ ZYGOTE = textwrap.dedent(
         PolicyGradientTrainer.train_step = train_step
         PolicyGradientTrainer.rollout_for_step = rollout_for_step
 
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA (see serve_zygote)
+        sys.exit("zygote: CUDA was initialised while importing diffrl; the forked runs could not use it")
+
     for line in sys.stdin:
         job = json.loads(line)
         pid = os.fork()
@@ -214,7 +219,10 @@ def serve_zygote(script: str, env: dict[str, str], log: Path):
     it was SIGKILLed); `run.log` is the children's output. A run that has not ended after
     `RUN_DEADLINE_S` fails the test; the zygote's process group (the zygote, the run and those of
     its processes that stayed in the group) is killed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    # PYTORCH_NVML_BASED_CUDA_CHECK: the imports ask torch.cuda.is_available(), which otherwise
+    # queries the CUDA runtime and marks the process so that a forked child cannot initialise CUDA
+    # ("Cannot re-initialize CUDA in forked subprocess"); through NVML it leaves the zygote clean.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1", **env}
     with open(log, "w") as children_output:
         proc = subprocess.Popen(
             [sys.executable, "-c", script],
