@@ -216,7 +216,7 @@ def serve_zygote(script: str, env: dict[str, str], log: Path):
     """Generator for a fixture: starts `script` (a zygote reading one JSON job per line, as
     `ZYGOTE`) with `env` over this environment and one thread per process, and yields
     `run(argv, kill=None, env=None)`, the exit code of `diffrl <argv>` in a forked child (-9 when
-    it was SIGKILLed); `run.log` is the children's output. A run that has not ended after
+    it was SIGKILLed); `run.log` is the children's output, `run.pid` the zygote's PID. A run that has not ended after
     `RUN_DEADLINE_S` fails the test; the zygote's process group (the zygote, the run and those of
     its processes that stayed in the group) is killed."""
     # PYTORCH_NVML_BASED_CUDA_CHECK: the imports ask torch.cuda.is_available(), which otherwise
@@ -250,6 +250,7 @@ def serve_zygote(script: str, env: dict[str, str], log: Path):
             return json.loads(line)["status"]
 
         run.log = log
+        run.pid = proc.pid
         yield run
         proc.stdin.close()
         proc.wait(timeout=30)

@@ -98,7 +98,11 @@ def run_and_kill(zygote, tmp_path, args: list[str], kill: dict, message: str) ->
         return
     deadline = time.monotonic() + 20
     while True:
-        new = {pid: cmd for pid, cmd in gpu_holders().items() if pid not in holders_before}
+        # The zygote is the harness, not the run: its imports open the GPUs' device files through
+        # NVML (PYTORCH_NVML_BASED_CUDA_CHECK), possibly after holders_before was taken.
+        new = {
+            pid: cmd for pid, cmd in gpu_holders().items() if pid not in holders_before and pid != zygote.pid
+        }
         smi = nvidia_smi_pids() & (listed | run_pids)
         if (not new and not smi) or time.monotonic() > deadline:
             break
