@@ -179,6 +179,16 @@ def test_examples_keep_untouched_objects_exactly_and_draw_moves_clearly():
         assert EditExample.from_dict(json.loads(json.dumps(example.to_dict()))) == example
 
 
+def test_a_move_whose_source_layouts_rarely_suit_it_still_gets_a_layout():
+    # "move the triangle above the square": ~91% of random sources of the pair do not suit a move
+    # (the relation already holds, or no free place satisfies it); seed 12046 drew 100 unsuitable
+    # ones in a row, which ended a GPU pretraining run (diffrl sft shapes_edit_sft) at its step 20.
+    edit = Edit("move", _scene(("square", "green"), ("triangle", "purple")), "triangle", "above")
+    example = draw_example(edit, 32, np.random.default_rng(12046))
+    target = {p.shape: p.box_px(32) for p in example.target}
+    assert relation_holds("above", target["triangle"], target["square"], RENDER_MIN_COS)
+
+
 def test_from_dict_errors_name_the_layout():
     with pytest.raises(ValueError, match="expected a dict like"):
         EditExample.from_dict({"kind": "recolor"})
