@@ -899,12 +899,14 @@ class Config:
         """Whether PPO's old log-probs are the rollout's own (`algorithm.old_log_probs`).
 
         `auto` reuses them when the sampler computes exactly what the trainer's first forward
-        computes: colocated workers share the module; eagerly, the kernels are the same with and
-        without grad. Compiled, the sampler runs its window steps through the training graph on
-        slices of actor.micro_batch_size (`TrajectorySampler._trained_slices`), which matches only
-        when those slices are the trainer's micro-batches (every training step trains every window
-        step, and rollout micro-batches split into whole actor micro-batches); rollout correction
-        needs a second log-prob, so it recomputes then as before. Batched replay
+        computes: colocated workers share the module, and a sampler whose log-probs are reused
+        runs its window steps on slices of actor.micro_batch_size (kernels round by batch size,
+        `TrajectorySampler._trained_slices`), eagerly without grad (the kernels are the same with
+        and without it), compiled through the training graph. That matches only when those slices
+        are the trainer's micro-batches (every training step trains every window step, and rollout
+        micro-batches split into whole actor micro-batches). Compiled, `auto` recomputes otherwise,
+        and with rollout correction (it needs a second log-prob); eagerly it reuses them all the
+        same, leaving a float-rounding gap (about 1e-7 in fp32 on CPU). Batched replay
         (actor.replay_steps_per_forward > 1) recomputes: the update's forwards have k·B rows, the
         sampler's B, and larger matmuls round differently; the recompute groups its forwards as
         the update does, so the ratio starts at exactly 1 (diffrl.train.replay).

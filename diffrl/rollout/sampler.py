@@ -47,10 +47,14 @@ class TrajectorySampler:
         cfg: RolloutConfig,
         *,
         progress: bool = True,
+        log_probs_reused: bool = False,
     ):
         self.adapter = adapter
         self.cfg = cfg
         self.progress = progress
+        # the trainer takes the training rollouts' log-probs as its old ones
+        # (`Config.reuses_rollout_log_probs`): window steps then run as it recomputes them (`_trained_slices`)
+        self.log_probs_reused = log_probs_reused
         self.encode_calls = 0  # prompts sent to the text encoders (observable: once per unique prompt)
 
     # ------------------------------------------------------------------------------ public
@@ -242,6 +246,7 @@ class TrajectorySampler:
         sample_index_B = torch.arange(sample_offset, sample_offset + total)
         group_index_B = sample_index_B // n  # global, like the sample index: it keys the group's noise
         chunks: list[Trajectories] = []
+        through_training_graph = as_trained and adapter.trains_through_compiled_graph
         with self._progress_bar() as bar, torch.no_grad():
             task = bar.add_task(f"sampling step {step}", total=total * num_steps)
             for start in range(0, total, micro):
@@ -264,10 +269,10 @@ class TrajectorySampler:
                 for k in range(num_steps):
                     in_window = k0 <= k < k0 + w
                     slices = window_slices if in_window else [slice(None)]
-                    as_training = slices != [slice(None)]
+                    with_grad = in_window and through_training_graph
                     parts = []
                     for r in slices:
-                        with torch.enable_grad() if as_training else torch.no_grad():
+                        with torch.enable_grad() if with_grad else torch.no_grad():
                             v = adapter.velocity(
                                 x[r],
                                 timesteps[k].expand(x[r].shape[0]),
@@ -338,19 +343,25 @@ class TrajectorySampler:
     def _trained_slices(self, batch: int) -> list[slice]:
         """How an SDE window step of `batch` samples is computed: as the trainer will recompute it.
 
-        Eager kernels are the same with and without grad, so one no-grad call over the micro-batch
-        reproduces the trainer's forward ([slice(None)]). Compiled blocks are not: the training
-        graph (grad on, trainable LoRA weights) is partitioned for the backward and fuses, and so
-        rounds, differently from the no-grad graph; graphs are specialised to their batch size, and
-        on a GPU even the fp32 log-prob reductions round by tensor size. So under compilation each
-        window step runs, velocity and step math, on slices of the trainer's micro-batch size with
-        grad on (the autograd graph is dropped at once): the log-probs stored in the rollout are
-        then bit-identical to the trainer's re-evaluation before its first update, and the trainer
-        reuses them instead of a recompute pass (a forward per window step and sample).
+        Kernels round by batch size: eager CPU matmuls over a few rows (the per-sample timestep
+        and modulation projections) block their reductions by the number of rows, compiled graphs
+        are specialised to their batch size, and on a GPU even the fp32 log-prob reductions round
+        by tensor size. So where the
+        trainer reuses this rollout's log-probs as its old ones (`log_probs_reused`), each window
+        step runs, velocity and step math, on slices of the trainer's micro-batch size: the stored
+        log-probs are then bit-identical to the trainer's re-evaluation before its first update,
+        and it reuses them instead of a recompute pass (a forward per window step and sample).
+        Eager kernels are the same with and without grad, so eager slices run without it.
+        Compiled blocks are not: the training graph (grad on, trainable LoRA weights) is
+        partitioned for the backward and fuses, and so rounds, differently from the no-grad graph,
+        so compiled slices run with grad on (the autograd graph is dropped at once), whether or not
+        the log-probs are reused (`trains_through_compiled_graph`). An eager run that recomputes
+        them samples its window at the rollout micro-batch ([slice(None)]): slices would only slow
+        it down.
         """
-        if not self.adapter.trains_through_compiled_graph:
-            return [slice(None)]
         micro = self.adapter.train_micro_batch_size
+        if not micro or not (self.log_probs_reused or self.adapter.trains_through_compiled_graph):
+            return [slice(None)]
         return [slice(s, min(s + micro, batch)) for s in range(0, batch, micro)]
 
     def _progress_bar(self) -> Progress:

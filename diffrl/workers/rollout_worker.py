@@ -92,7 +92,9 @@ class RolloutWorker:
                 adapter.compile_blocks()
         self.adapter = adapter
         self._use_policy = use_policy or self._set_adapter
-        self.sampler = TrajectorySampler(self.adapter, cfg.rollout, progress=False)
+        self.sampler = TrajectorySampler(
+            self.adapter, cfg.rollout, progress=False, log_probs_reused=reuses_log_probs(cfg)
+        )
 
     @contextmanager
     def _set_adapter(self, policy: str) -> Iterator[None]:
@@ -289,6 +291,16 @@ class RolloutWorker:
         if self._weight_sync is not None:
             self._weight_sync.close()
             self._weight_sync = None
+
+
+def reuses_log_probs(cfg: Config) -> bool:
+    """Whether the trainer takes the training rollouts' log-probs as its old ones: a policy-gradient
+    run that reuses them (`Config.reuses_rollout_log_probs`). Its sampler then computes the SDE
+    window steps in the trainer's micro-batches (`TrajectorySampler._trained_slices`); a run that
+    recomputes them, or trains on clean samples (direct preference), samples at its own."""
+    from diffrl.algos import POLICY_GRADIENT
+
+    return cfg.reuses_rollout_log_probs and cfg.algorithm.trainer_type == POLICY_GRADIENT
 
 
 def computes_as_trained(cfg: Config) -> bool:

@@ -288,6 +288,37 @@ def test_eager_sampled_log_probs_equal_the_trainers_first_forward(tiny_model):
     assert torch.equal(trained, rollout.samples.log_probs_BW)  # eager: same kernels with and without grad
 
 
+@pytest.mark.parametrize("reused", [True, False], ids=["reused", "recomputed"])
+def test_eager_sampler_computes_window_steps_in_actor_micro_batches_where_its_log_probs_are_reused(
+    tiny_model, reused
+):
+    # CPU matmuls over a few rows (the per-sample timestep and modulation projections) round by
+    # row count: sampled 4 at a time, the log-probs differ from the trainer's forwards of 1 by
+    # ~1e-7. Where the trainer reuses them the sampler slices its window steps to the trainer's
+    # micro-batch (no grad: eager kernels are the same either way); where it recomputes them it
+    # samples at its own micro-batch, unslowed.
+    engine, _ = make(tiny_model, micro=1)
+    perturb_lora(engine)
+    calls = []
+    velocity = engine.adapter.velocity
+
+    def spy(latents, *args, **kwargs):
+        calls.append((latents.shape[0], torch.is_grad_enabled()))
+        return velocity(latents, *args, **kwargs)
+
+    engine.adapter.velocity = spy
+    sampler = TrajectorySampler(
+        engine.adapter, rollout_cfg_with_micro(4), progress=False, log_probs_reused=reused
+    )
+    rollout = sampler.sample(PROMPTS, seed=0, step=0)  # 8 samples, 4 steps
+    del engine.adapter.velocity
+    if reused:  # bitwise what the update's first forwards (grad on, 1 sample each) compute
+        assert torch.equal(_trainer_log_probs(engine, rollout, 1), rollout.samples.log_probs_BW)
+    _, w = sampler.window(0, 0)
+    window = [(1, False)] * (8 * w) if reused else [(4, False)] * (2 * w)
+    assert sorted(calls) == sorted([(4, False)] * (2 * (4 - w)) + window)
+
+
 def test_compiled_sampler_runs_window_steps_through_the_training_graph_in_actor_micro_batches(tiny_model):
     # aot_eager traces the joint (training) graph like inductor does, without a C++ toolchain; the
     # rollout micro-batch (8) is twice the actor's (4): the sampler slices its window steps to 4
