@@ -39,3 +39,15 @@ def require_step_range(key: str, value: Any) -> None:
             value,
             "must be [lo, hi) with 0 <= lo < hi (step indices of the rollout schedule), or null for all steps",
         )
+
+
+def require_ray_resources(key: str, resources: dict[str, float]) -> None:
+    """Custom Ray resources (e.g. a node label `{rollout_node: 1}`); CPU and GPU have their own keys."""
+    for name, amount in resources.items():
+        require(
+            name not in ("CPU", "GPU", "memory"),
+            key,
+            resources,
+            f"names {name!r}, which Ray accounts itself: use trainer.gpus_per_worker / rollout.gpus_per_replica",
+        )
+        require(isinstance(amount, int | float) and amount > 0, key, resources, f"{name} must be > 0")

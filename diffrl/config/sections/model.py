@@ -1,0 +1,56 @@
+"""`model.*`: which diffusers model to load, its compute dtype, LoRA, attention and compilation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diffrl.config.checks import require, require_at_least, require_choice, require_positive
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32  # 0 = full fine-tuning (no adapters; a frozen reference copy serves KL)
+    alpha: float = 64.0
+    target_modules: list[str] | None = None  # None = the model adapter's declared defaults
+    init: str = "gaussian"  # peft's init_lora_weights
+    # forward passes without gradients (rollouts, validation, the old policy's velocities) run with
+    # the adapter merged into a copy of the targeted weights: one matmul per layer instead of three
+    # (diffrl.train.lora.merged_adapter). Direct-preference losses on unsharded weights only.
+    merge_inference: bool = False
+
+    # Only inits that leave the base weights untouched: the reference policy is "adapters disabled",
+    # which pissa/olora (they subtract from the base weights) would silently change.
+    INITS = ("default", "gaussian")
+
+    def validate(self, at: str) -> None:
+        require_at_least(f"{at}.rank", self.rank, 0)
+        require_positive(f"{at}.alpha", self.alpha)
+        if self.target_modules is not None:
+            require(
+                len(self.target_modules) > 0,
+                f"{at}.target_modules",
+                self.target_modules,
+                "must list at least one module name, or be null for the model's defaults",
+            )
+        require_choice(f"{at}.init", self.init, self.INITS)
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local diffusers directory (model_index.json inside)
+    dtype: str = "bfloat16"  # the network's compute dtype; SDE math and stored latents are fp32
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+    attn_backend: str = "native"  # a diffusers attention backend name
+    compile: bool = False  # torch.compile each transformer block (regional): faster after a warmup
+
+    DTYPES = ("float32", "bfloat16", "float16")
+
+    def validate(self, at: str) -> None:
+        require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
+        self.lora.validate(f"{at}.lora")
+        if self.attn_backend != ModelConfig.attn_backend:
+            # diffusers' list of backends costs seconds of imports; its default needs no check
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            require_choice(f"{at}.attn_backend", self.attn_backend, [b.value for b in AttentionBackendName])
