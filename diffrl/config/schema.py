@@ -283,8 +283,10 @@ class Config:
         and without it), compiled through the training graph. That matches only when those slices
         are the trainer's micro-batches (every training step trains every window step, and rollout
         micro-batches split into whole actor micro-batches). Compiled, `auto` recomputes otherwise,
-        and with rollout correction (it needs a second log-prob); eagerly it reuses them all the
-        same, leaving a float-rounding gap (about 1e-7 in fp32 on CPU). Batched replay
+        and with rollout correction (it needs a second log-prob), eagerly and compiled alike: an
+        eager sampler's slices are not the trainer's forwards either (DanceGRPO's step subsets,
+        micro sizes that do not divide), and the gap is a ratio off 1 by float rounding (~1e-7
+        in fp32 on a CPU, far more in bf16 on a GPU), which the check at start refuses. Batched replay
         (actor.replay_steps_per_forward > 1) recomputes: the update's forwards have k·B rows, the
         sampler's B, and larger matmuls round differently; the recompute groups its forwards as
         the update does, so the ratio starts at exactly 1 (diffrl.train.replay).
@@ -300,8 +302,6 @@ class Config:
             return algo.old_log_probs == "rollout"
         if self.actor.replay_steps_per_forward > 1 or self.trainer.placement == "separate":
             return False
-        if not self.model.compile:
-            return True
         return (
             algo.timestep_fraction >= 1.0
             and self.rollout.micro_batch_size % self.actor.micro_batch_size == 0

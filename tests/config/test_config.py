@@ -172,10 +172,6 @@ def test_wrong_type_names_key_value_and_expected_type():
             r"actor\.optim\.betas=\[0\.9\] is invalid: must be two numbers in \[0, 1\)",
         ),
         (
-            "algorithm.rollout_correction.is_level=step",
-            r"algorithm\.rollout_correction=.*has no effect when the trainer reuses.*old_log_probs=recompute",
-        ),
-        (
             "algorithm.sample_source=offline",
             r"algorithm\.sample_source='offline' is invalid: must be online for policy-gradient training",
         ),
@@ -208,6 +204,22 @@ def test_wrong_type_names_key_value_and_expected_type():
 def test_out_of_range_values_name_key_value_and_allowed(override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config("shapes_flow_grpo", [override])
+
+
+def test_auto_recomputes_old_log_probs_wherever_the_sampler_cannot_match_the_update():
+    # eager as compiled: the exactness conditions decide, not the compilation
+    assert load_config("shapes_flow_grpo", []).reuses_rollout_log_probs
+    for override in (
+        "algorithm.rollout_correction.is_level=step",  # needs a second log-prob
+        "algorithm.timestep_fraction=0.5",  # DanceGRPO's step subsets: forwards of fewer rows
+        "rollout.micro_batch_size=12",  # sampler micro-batches do not split into the trainer's (32)
+    ):
+        assert not load_config("shapes_flow_grpo", [override]).reuses_rollout_log_probs, override
+    with pytest.raises(ConfigError, match=r"has no effect when the trainer reuses.*old_log_probs=recompute"):
+        load_config(
+            "shapes_flow_grpo",
+            ["algorithm.rollout_correction.is_level=step", "algorithm.old_log_probs=rollout"],
+        )
 
 
 def test_train_step_range_is_for_the_losses_that_noise_clean_samples():
