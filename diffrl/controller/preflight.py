@@ -93,8 +93,9 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
 
 def warn_attention_backend(cfg: Config, family: type[ModelAdapter]) -> None:
     """A family whose training backward fails under torch's default attention on a GPU, trained
-    with that default where a GPU is present: said before anything loads (a warning: the failure
-    was measured on H100/H200 and may not hold on every GPU or torch)."""
+    with that default (`model.attn_backend=native` set explicitly; `auto` picks the family's own)
+    where a GPU is present: said before anything loads (a warning: the failure was measured on
+    H100/H200 and may not hold on every GPU or torch)."""
     backend = family.gpu_training_attn_backend
     if backend is None or cfg.model.attn_backend != "native" or not torch.cuda.is_available():
         return
@@ -102,7 +103,7 @@ def warn_attention_backend(cfg: Config, family: type[ModelAdapter]) -> None:
         f"warning: {family.pipeline_class_name} trains with model.attn_backend=native, torch's default "
         "attention (cuDNN on H100/H200), whose backward failed this family's training there (an illegal "
         f"memory access at full size, a NaN gradient on a tiny model); set model.attn_backend={backend} "
-        "as the family's presets do"
+        "(or auto, the default, which picks it)"
     )
 
 

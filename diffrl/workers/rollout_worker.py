@@ -52,9 +52,21 @@ def worker_device() -> torch.device:
 def build_adapter(cfg: Config) -> ModelAdapter:
     """The configured model on this process's device: dtype, attention backend, compilation."""
     adapter = load_model(cfg.model.path, cfg.model.dtype, worker_device())
-    if cfg.model.attn_backend != "native":
-        adapter.transformer.set_attention_backend(cfg.model.attn_backend)
+    backend = attention_backend(cfg.model.attn_backend, adapter)
+    if backend != "native":
+        adapter.transformer.set_attention_backend(backend)
     return adapter
+
+
+def attention_backend(setting: str, adapter: ModelAdapter) -> str:
+    """`model.attn_backend` for this adapter: `auto` is the family's GPU training backend on a GPU
+    (`gpu_training_attn_backend`: FLUX's flash attention, since torch's default picks cuDNN on
+    H100/H200, whose backward failed FLUX's training) and torch's default (`native`) elsewhere."""
+    if setting != "auto":
+        return setting
+    if adapter.device.type == "cuda" and adapter.gpu_training_attn_backend is not None:
+        return adapter.gpu_training_attn_backend
+    return "native"
 
 
 class RolloutWorker:
@@ -364,4 +376,11 @@ def _submitter(
     return submit
 
 
-__all__ = ["PromptShard", "RolloutWorker", "build_adapter", "weight_digests", "worker_device"]
+__all__ = [
+    "PromptShard",
+    "RolloutWorker",
+    "attention_backend",
+    "build_adapter",
+    "weight_digests",
+    "worker_device",
+]

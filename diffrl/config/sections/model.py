@@ -41,7 +41,9 @@ class ModelConfig:
     dtype: str = "bfloat16"  # the network's compute dtype; SDE math and stored latents are fp32
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
-    attn_backend: str = "native"  # a diffusers attention backend name
+    # a diffusers attention backend name, or `auto`: the family's GPU training backend on a GPU
+    # (FLUX's flash attention, whose backward cuDNN fails), torch's default (`native`) elsewhere
+    attn_backend: str = "auto"
     compile: bool = False  # torch.compile each transformer block (regional): faster after a warmup
 
     DTYPES = ("float32", "bfloat16", "float16")
@@ -49,8 +51,10 @@ class ModelConfig:
     def validate(self, at: str) -> None:
         require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
         self.lora.validate(f"{at}.lora")
-        if self.attn_backend != ModelConfig.attn_backend:
-            # diffusers' list of backends costs seconds of imports; its default needs no check
+        if self.attn_backend not in ("auto", "native"):
+            # diffusers' list of backends costs seconds of imports; auto and its default need no check
             from diffusers.models.attention_dispatch import AttentionBackendName
 
-            require_choice(f"{at}.attn_backend", self.attn_backend, [b.value for b in AttentionBackendName])
+            require_choice(
+                f"{at}.attn_backend", self.attn_backend, ["auto", *(b.value for b in AttentionBackendName)]
+            )
