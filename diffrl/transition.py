@@ -284,6 +284,11 @@ def evaluate_step(adapter: ModelAdapter, rollout: Rollout, j: int) -> sde.StepOu
     return evaluate_steps(adapter, [(rollout, j)])[0]
 
 
+def _joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(tensors)`, without copying a single tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def evaluate_steps(adapter: ModelAdapter, parts: Sequence[tuple[Rollout, int]]) -> list[sde.StepOut]:
     """`evaluate_step` of several (samples, window step j) parts through ONE transformer forward.
 
@@ -311,27 +316,19 @@ def evaluate_steps(adapter: ModelAdapter, parts: Sequence[tuple[Rollout, int]]) 
     s = first.settings
     device = adapter.device
     latents = [rollout.samples.window_latents[:, j].to(device) for rollout, j in parts]
-    if len(parts) == 1:
-        rollout, j = parts[0]
-        batch = latents[0].shape[0]
-        x, timestep_B, cond = latents[0], rollout.timesteps[j].to(device).expand(batch), rollout.sample_cond()
-    else:
-        x = torch.cat(latents)
-        timestep_B = torch.cat([r.timesteps[j].to(device).expand(len(r)) for r, j in parts])
-        table = first.prompt_embeds
-        rows = torch.cat([r.samples.prompt_index_B for r, _ in parts]).to(table.embeds.device)
-        cond = table[rows]
+    table = first.prompt_embeds
+    rows = _joined([rollout.samples.prompt_index_B for rollout, _ in parts]).to(table.embeds.device)
     v = adapter.velocity(
-        x,
-        timestep_B,
-        cond,
+        _joined(latents),
+        _joined([rollout.timesteps[j].to(device).expand(len(rollout)) for rollout, j in parts]),
+        table[rows],  # each sample's conditioning row (`Rollout.sample_cond`)
         s.guidance_scale,
         height=s.height,
         width=s.width,
         num_frames=s.num_frames,
         true_cfg_scale=s.true_cfg_scale,
     )
-    velocities = [v] if len(parts) == 1 else v.split([x_i.shape[0] for x_i in latents])
+    velocities = v.split([x_i.shape[0] for x_i in latents])
     return [
         sde.step(
             s.sde_type,
