@@ -1,4 +1,5 @@
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -299,19 +300,11 @@ def test_eager_sampler_computes_window_steps_in_actor_micro_batches_where_its_lo
     # samples at its own micro-batch, unslowed.
     engine, _ = make(tiny_model, micro=1)
     perturb_lora(engine)
-    calls = []
-    velocity = engine.adapter.velocity
-
-    def spy(latents, *args, **kwargs):
-        calls.append((latents.shape[0], torch.is_grad_enabled()))
-        return velocity(latents, *args, **kwargs)
-
-    engine.adapter.velocity = spy
     sampler = TrajectorySampler(
         engine.adapter, rollout_cfg_with_micro(4), progress=False, log_probs_reused=reused
     )
-    rollout = sampler.sample(PROMPTS, seed=0, step=0)  # 8 samples, 4 steps
-    del engine.adapter.velocity
+    with velocity_calls(engine.adapter) as calls:
+        rollout = sampler.sample(PROMPTS, seed=0, step=0)  # 8 samples, 4 steps
     if reused:  # bitwise what the update's first forwards (grad on, 1 sample each) compute
         assert torch.equal(_trainer_log_probs(engine, rollout, 1), rollout.samples.log_probs_BW)
     _, w = sampler.window(0, 0)
@@ -325,21 +318,30 @@ def test_compiled_sampler_runs_window_steps_through_the_training_graph_in_actor_
     engine, rollout = _rollout_with_random_lora(
         tiny_model, rollout_micro=8, actor_micro=4, compile_backend="aot_eager"
     )
+    sampler = TrajectorySampler(engine.adapter, rollout_cfg_with_micro(8), progress=False)
+    with velocity_calls(engine.adapter) as calls:
+        again = sampler.sample(PROMPTS, seed=0, step=0)
+    _, w = sampler.window(0, 0)
+    assert sorted(calls) == sorted([(8, False)] * (4 - w) + [(4, True)] * (2 * w))  # 4 steps, 8 samples
+    assert torch.equal(again.samples.log_probs_BW, rollout.samples.log_probs_BW)
+    assert torch.equal(_trainer_log_probs(engine, rollout, 4), rollout.samples.log_probs_BW)
+
+
+@contextmanager
+def velocity_calls(adapter):
+    """The (batch size, grad enabled) of each `adapter.velocity` call made inside the block."""
     calls = []
-    velocity = engine.adapter.velocity
+    velocity = adapter.velocity
 
     def spy(latents, *args, **kwargs):
         calls.append((latents.shape[0], torch.is_grad_enabled()))
         return velocity(latents, *args, **kwargs)
 
-    engine.adapter.velocity = spy
-    sampler = TrajectorySampler(engine.adapter, rollout_cfg_with_micro(8), progress=False)
-    again = sampler.sample(PROMPTS, seed=0, step=0)
-    del engine.adapter.velocity
-    _, w = sampler.window(0, 0)
-    assert sorted(calls) == sorted([(8, False)] * (4 - w) + [(4, True)] * (2 * w))  # 4 steps, 8 samples
-    assert torch.equal(again.samples.log_probs_BW, rollout.samples.log_probs_BW)
-    assert torch.equal(_trainer_log_probs(engine, rollout, 4), rollout.samples.log_probs_BW)
+    adapter.velocity = spy
+    try:
+        yield calls
+    finally:
+        del adapter.velocity
 
 
 def rollout_cfg_with_micro(micro):
