@@ -267,8 +267,11 @@ def evaluate_window(
         for group in replay_groups(range(rollout.window_size), steps_per_forward):
             with torch.enable_grad() if as_trained else torch.no_grad():
                 outs = evaluate_steps(adapter, [(mb, j) for j in group])
-            # one forward's graph at a time
             steps += [(out.log_prob_B.detach(), out.mean.detach()) for out in outs]
+            # Drop this forward's graph before the next forward builds its own: `outs` would
+            # otherwise keep it alive through that forward, two graphs at the peak (with grad on
+            # and k window steps a forward, twice the update's activations: out of memory on a GPU).
+            del outs
         log_probs.append(torch.stack([lp for lp, _ in steps], dim=1))
         means.append(torch.stack([m for _, m in steps], dim=1))
     return torch.cat(log_probs), torch.cat(means)

@@ -205,3 +205,33 @@ def test_one_part_is_evaluate_step_and_parts_of_other_rollouts_are_refused(tiny_
             evaluate_steps(engine.adapter, [(mb, 0), (other, 1)])
         with pytest.raises(IndexError, match="window step 3 out of range"):
             evaluate_steps(engine.adapter, [(mb, 0), (mb, WINDOW)])
+
+
+def test_old_log_probs_with_grad_keep_one_forwards_graph_at_a_time(tiny_model, monkeypatch):
+    """`as_trained` runs each forward with grad on (as the update does) and must drop its graph
+    before the next forward builds one: two graphs alive at once doubled the pass's peak and ran an
+    SD3.5-M recipe with replay_steps_per_forward=3 out of memory on an H200."""
+    import gc
+    import weakref
+
+    engine, sampler = make(tiny_model, replay=2)
+    rollout = sampler.sample(PROMPTS, seed=8, step=0)
+    graphs = []  # a weak reference to each forward's output, which holds its autograd graph
+    alive_at_forward = []
+    evaluate = transition.evaluate_steps
+
+    def recorded(adapter, parts):
+        gc.collect()
+        alive_at_forward.append(sum(ref() is not None for ref in graphs))
+        outs = evaluate(adapter, parts)
+        assert outs[0].log_prob_B.grad_fn is not None  # grad on, as in the update
+        graphs.append(weakref.ref(outs[0].log_prob_B))
+        return outs
+
+    monkeypatch.setattr(transition, "evaluate_steps", recorded)
+    log_probs, _ = transition.evaluate_window(
+        engine.adapter, rollout, MICRO, as_trained=True, steps_per_forward=2
+    )
+    assert len(alive_at_forward) == 4  # 2 micro-batches × forwards of steps [0, 1] and [2]
+    assert alive_at_forward == [0, 0, 0, 0]
+    assert log_probs.grad_fn is None and log_probs.shape == (len(rollout), WINDOW)
