@@ -117,6 +117,8 @@ def sampler_vs_pipeline(
     sampler = TrajectorySampler(adapter, rollout_cfg, progress=False)
     with torch.no_grad(), use_policy(), recorded_calls(adapter.transformer) as ours:
         rollout = sampler.sample_validation(list(prompts), metadata=metadata, images=images)
+    if adapter.no_pipeline_reference:
+        return [skipped("sampler = pipeline", adapter.no_pipeline_reference)], rollout
     noise = rollout.samples.window_latents[:, 0]  # a validation rollout keeps its initial noise
     negatives = (
         [pipe.negative_prompt] * len(prompts)

@@ -384,6 +384,12 @@ class ModelAdapter(ABC):
         )
 
     # ------------------------------------------------------------------------------ the reference
+    @property
+    def no_pipeline_reference(self) -> str | None:
+        """Why this model has no diffusers pipeline call to compare the sampler with (`diffrl
+        check` then skips that row), or None: it has one (`pipeline_call`)."""
+        return None
+
     def pipeline_call(
         self,
         prompts: Sequence[str],

@@ -151,6 +151,15 @@ class FluxKontextAdapter(FluxAdapter):
         image_ids[..., 0] = 1  # the pipeline: condition ids are the latent ids with the first coordinate 1
         return torch.cat([hidden, latents], dim=1), torch.cat([img_ids, image_ids], dim=0)
 
+    @property
+    def no_pipeline_reference(self) -> str | None:
+        if self.pixel_space:
+            return (
+                "this FluxKontextPipeline has no VAE (pixel space, the shapes edit toy model), and diffusers' "
+                "pipeline VAE-encodes its condition image: there is no pipeline call to compare the sampler with"
+            )
+        return None
+
     def pipeline_call(
         self,
         prompts: Sequence[str],
@@ -169,11 +178,8 @@ class FluxKontextAdapter(FluxAdapter):
         `_auto_resize`."""
         if images is None or len(images) != len(prompts):
             raise ValueError("FluxKontextPipeline needs one condition image per prompt")
-        if self.pixel_space:
-            raise ValueError(
-                "this FluxKontextPipeline has no VAE (pixel space, the shapes edit toy model), and diffusers' "
-                "pipeline VAE-encodes its condition image: there is no pipeline call to compare the sampler with"
-            )
+        if self.no_pipeline_reference:
+            raise ValueError(self.no_pipeline_reference)
         call = super().pipeline_call(
             prompts,
             negative_prompts,
