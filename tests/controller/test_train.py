@@ -247,3 +247,54 @@ def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, 
     assert set(report["before"]) == set(report["after"])
     for name in ("before_after.png", "reward_curve.png", "summary.json"):
         assert (run_dir / name).is_file(), name
+
+
+def test_shapes_edit_job_short_run_writes_its_report_with_the_source_images(tmp_path, monkeypatch):
+    """The edit task's RL job (`shapes_edit`, the shipped toy:shapes_edit model) shrunk to two
+    small steps: it completes, validates every edit kind before and after, and its report's grid
+    shows each source image beside the result (twice the width of a grid without them)."""
+    import shutil
+
+    from PIL import Image
+
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    firsts: dict[str, dict] = {}  # the first held-out row of each edit kind, with its source image
+    for line in (BUILTIN_DATA / "shapes_edit_heldout.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        firsts.setdefault(row["data_source"], row)
+    for row in firsts.values():
+        (tmp_path / row["image"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(BUILTIN_DATA / row["image"], tmp_path / row["image"])
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text("".join(json.dumps(row) + "\n" for row in firsts.values()))
+    run_dir = train(
+        "shapes_edit",
+        [
+            f"data.val_files=[{val_file}]",
+            "trainer.total_steps=2",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=edit",
+            "data.prompts_per_step=2",
+            "rollout.n=4",
+            "rollout.micro_batch_size=8",
+            "actor.mini_batch_size=8",
+            "actor.micro_batch_size=8",
+            "rollout.pipeline.num_inference_steps=4",
+            "rollout.val.num_inference_steps=4",
+            "algorithm.train_step_range=[0,3]",
+            "rollout.val.n=1",
+        ],
+    )
+    metrics = read_metrics(run_dir)
+    for step in (0, 2):
+        for kind in ("recolor", "reshape", "add", "remove", "move"):
+            assert 0 <= metrics[step][f"val/{kind}/accuracy"] <= 1
+    assert 0 <= metrics[1]["rewards/shapes_edit/mean"] <= 1  # the partial score
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (report["before_step"], report["after_step"]) == (0, 2)
+    for kind in ("recolor", "reshape", "add", "remove", "move"):
+        assert report["before"][f"val/{kind}/accuracy"] == metrics[0][f"val/{kind}/accuracy"]
+    grid = Image.open(run_dir / "before_after.png")
+    assert grid.width > grid.height  # two panels of 5 rows, each cell a source and a result
