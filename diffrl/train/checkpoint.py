@@ -223,7 +223,9 @@ def _set_rng_state(state: dict[str, Any], source: Path) -> None:
     if "cuda" in state and not torch.cuda.is_available():
         raise ValueError(
             f"{source} holds a CUDA RNG state but CUDA is not available here: the run cannot continue "
-            "bit-identically on this machine; pass restore_rng=False to load everything else"
+            "bit-identically on this machine; pass restore_rng=False to load everything else (from the "
+            f"command line: resume on a CUDA machine, or `diffrl export {source.parent.parent}` and "
+            "start a new run from the exported weights with model.path)"
         )
     python_state, numpy_state, torch_state, cuda_state = _parse_rng_state(state, source)
     random.setstate(python_state)
@@ -611,7 +613,9 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint {str(path)!r} was saved by {meta['world_size']} rank(s) and this run has "
             f"{world_size()}: RNG states are per rank; resume with the same world size, or pass "
-            "restore_rng=False (weights, optimizer and scheduler still load, resharded to this run)"
+            "restore_rng=False (weights, optimizer and scheduler still load, resharded to this run); "
+            f"from the command line: resume with trainer.n_gpus_per_node x trainer.nnodes = {meta['world_size']}, "
+            f"or `diffrl export {path}` and start a new run from the exported weights with model.path"
         )
 
     model_state = _model_state(model, trainable_only)
