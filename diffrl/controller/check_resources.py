@@ -109,10 +109,16 @@ def _peak_gb(metrics: dict[str, float], device: torch.device) -> float:
 
 
 def measure_phase(
-    name: str, key: str, size: int, device: torch.device, memory: Callable[[], dict], run: Callable[[], Any]
+    name: str,
+    key: str,
+    size: int,
+    device: torch.device,
+    memory: Callable[[], dict],
+    run: Callable[[], Any],
+    also: str = "",
 ) -> tuple[CheckRow, Any]:
     """Run one phase between two `memory` readings; its row, and what `run` returned (None when it
-    ran out of memory)."""
+    ran out of memory). `also`: another fix, appended to the row's note when it fails."""
     capacity = _capacity(device)
     memory()  # resets CUDA's peaks
     try:
@@ -125,7 +131,7 @@ def measure_phase(
                 "fits",
                 False,
                 f"one micro-batch of {size} ran out of memory on {device}: set {key}={max(1, size // 2)} "
-                "(or model.gradient_checkpointing=true / actor.param_offload=true for the update)",
+                f"(or model.gradient_checkpointing=true / actor.param_offload=true for the update){also}",
             ),
             None,
         )
@@ -141,7 +147,7 @@ def measure_phase(
             f"<= {fmt(limit)} GB",
             peak <= limit,
             f"one micro-batch of {size} peaks at {fmt(peak)} GB, past {MEMORY_HEADROOM:.0%} of {device}'s "
-            f"{fmt(capacity / 2**30)} GB: set {key}={max(1, size // 2)}",
+            f"{fmt(capacity / 2**30)} GB: set {key}={max(1, size // 2)}{also}",
         ),
         result,
     )
@@ -184,6 +190,14 @@ def memory_rows(
 
     micro = rollout.select(slice(0, train_micro)).compact()
     advantages_B = _advantages(cfg, len(micro))
+    replay = cfg.actor.replay_steps_per_forward
+    # batched replay: a forward of the update and of the recompute holds `replay` window steps
+    replay_fix = (
+        f"; or actor.replay_steps_per_forward={max(1, replay // 2)}: each of these forwards evaluates "
+        f"{replay} window steps of the micro-batch at once ({replay} x {len(micro)} samples)"
+        if replay > 1
+        else ""
+    )
     if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
         if getattr(algorithm(cfg.actor.loss.mode), "trains_on", None) != SAMPLES:
             rows.append(
@@ -217,6 +231,7 @@ def memory_rows(
                 device,
                 worker.memory,
                 lambda: worker.log_probs(micro),
+                also=replay_fix,
             )
             rows.append(recompute_row)
         ref_means = None
@@ -233,7 +248,7 @@ def memory_rows(
             return worker.optim_step()
 
     update_row, _ = measure_phase(
-        "update", "actor.micro_batch_size", len(micro), device, worker.memory, update
+        "update", "actor.micro_batch_size", len(micro), device, worker.memory, update, also=replay_fix
     )
     rows.append(update_row)
     return rows
