@@ -289,7 +289,9 @@ class Config:
         in fp32 on a CPU, far more in bf16 on a GPU), which the check at start refuses. Batched replay
         (actor.replay_steps_per_forward > 1) recomputes: the update's forwards have k·B rows, the
         sampler's B, and larger matmuls round differently; the recompute groups its forwards as
-        the update does, so the ratio starts at exactly 1 (diffrl.train.replay).
+        the update does, so the ratio starts at exactly 1 (diffrl.train.replay). Sampling with the
+        adapter merged into the weights (model.lora.merge_inference) recomputes: the merged matmul
+        rounds differently from the adapter's, and the recompute runs the adapter as the update does.
 
         Separate placement recomputes: a replica runs its own copy of the module (no FSDP
         mixed-precision casts), and in one_step_off (bounded) mode it
@@ -300,7 +302,11 @@ class Config:
         algo, rc = self.algorithm, self.algorithm.rollout_correction
         if algo.old_log_probs != "auto":
             return algo.old_log_probs == "rollout"
-        if self.actor.replay_steps_per_forward > 1 or self.trainer.placement == "separate":
+        if (
+            self.actor.replay_steps_per_forward > 1
+            or self.trainer.placement == "separate"
+            or self.model.lora.merge_inference
+        ):
             return False
         return (
             algo.timestep_fraction >= 1.0

@@ -246,13 +246,20 @@ def _check_merge_inference(cfg: Config) -> None:
             "model.lora.merge_inference=true needs LoRA adapters to merge, but model.lora.rank=0 (full "
             "fine-tuning samples with the trained weights as they are): set model.lora.merge_inference=false"
         )
-    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE:
+    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE and cfg.reuses_rollout_log_probs:
         raise ConfigError(
-            "model.lora.merge_inference=true with algorithm.trainer_type="
-            f"{cfg.algorithm.trainer_type}: merged weights give velocities that differ from the trained "
-            "adapter's in the last bits, and the policy-gradient loss compares the rollout's SDE "
-            "log-probabilities with the trainer's exactly (a clip range of 1e-4 sees that). Set "
-            "model.lora.merge_inference=false, or use a direct-preference loss (diffusion_nft, awm, dpo)"
+            "model.lora.merge_inference=true with algorithm.old_log_probs=rollout: merged weights give "
+            "velocities that differ from the trained adapter's in the last bits, so the rollout's SDE "
+            "log-probabilities are not the trainer's, and PPO's ratio would start off 1 (a clip range "
+            "of 1e-4 sees that). Set algorithm.old_log_probs=auto (it recomputes them with the adapter, "
+            "as the update runs it), or model.lora.merge_inference=false"
+        )
+    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE and cfg.trainer.placement == "separate":
+        raise ConfigError(
+            "model.lora.merge_inference=true with a policy-gradient loss and trainer.placement=separate: "
+            "the replicas' passes without gradient (rollout.log_prob_passes) must run the adapter as the "
+            "trainer's update does, which merged weights do not. Set model.lora.merge_inference=false, "
+            "or trainer.placement=colocated"
         )
     if cfg.actor.strategy == "fsdp2" and cfg.world_size > 1:
         raise ConfigError(

@@ -221,7 +221,19 @@ def test_offline_dpo_encodes_the_dataset_once_and_a_resumed_run_reuses_it(tmp_pa
             ],
             "algorithm.old_policy has no effect",
         ),
-        (["model.lora.merge_inference=true"], "the policy-gradient loss compares the rollout's SDE"),
+        (
+            ["model.lora.merge_inference=true", "algorithm.old_log_probs=rollout"],
+            "PPO's ratio would start off 1",
+        ),
+        (
+            [
+                "model.lora.merge_inference=true",
+                "trainer.placement=separate",
+                "trainer.async_mode=one_step_off",
+                "rollout.replicas=1",
+            ],
+            "must run the adapter as the trainer's update does",
+        ),
         (
             [
                 "model.lora.merge_inference=true",

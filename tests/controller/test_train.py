@@ -105,6 +105,46 @@ def test_old_log_prob_reuse_agrees_with_forced_recompute(tmp_path, monkeypatch):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key)
 
 
+def test_policy_gradient_sampling_with_merged_lora_recomputes_old_log_probs(tmp_path, monkeypatch):
+    """model.lora.merge_inference in a policy-gradient run: the rollouts sample with the adapter
+    merged into the weights, `old_log_probs=auto` recomputes the old log-probs with the adapter as
+    the update runs it, and the run trains as the unmerged recomputing run does."""
+    from diffrl.train import engine as engine_module
+
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    merges = []
+    merged_adapter = engine_module.merged_adapter
+
+    def counted(adapter, name):
+        merges.append(name)
+        return merged_adapter(adapter, name)
+
+    monkeypatch.setattr(engine_module, "merged_adapter", counted)
+    common = [
+        *SMALL,
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        f"trainer.output_dir={tmp_path}",
+    ]
+    merged = read_metrics(
+        train("tiny_sd3", [*common, "trainer.run_name=merged", "model.lora.merge_inference=true"])
+    )
+    assert merges and set(merges) == {"default"}  # every rollout sampled merged, nothing else did
+    assert yaml_value(tmp_path / "merged" / "config.yaml", "algorithm", "old_log_probs") == "auto"
+    rounds = merged[1]["rollout_correction/abs_logp_diff_max"]  # merged sampling against the adapter
+    assert rounds < 1e-4
+    assert merged[1]["actor/clipfrac"] == 0.0  # PPO's ratio starts at 1 on the recomputed log-probs
+    merges.clear()
+    recompute = read_metrics(
+        train("tiny_sd3", [*common, "trainer.run_name=recompute", "algorithm.old_log_probs=recompute"])
+    )
+    assert merges == []
+    for step in (1, 2):
+        a, b = comparable(merged[step]), comparable(recompute[step])
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key)
+
+
 def test_a_killed_run_resumes_exactly(tmp_path):
     env = {**os.environ, "DIFFRL_CACHE": str(tmp_path / "cache")}
     args = [
