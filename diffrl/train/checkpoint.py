@@ -10,6 +10,7 @@ Layout of one checkpoint, `<root>/step_<step:08d>/` (format version 2):
     meta.json            how it was saved: trainable_only, adapters (rank, alpha, targets), world size
     extra.json           the caller's counters (rank 0's `extra`: step, data sampler position, ...)
     rng/rank_<r>.json    python `random`, numpy, torch CPU (and this rank's CUDA device) RNG states
+                         (`diffrl.train.rng_state`)
     manifest.json        every file above with its size and sha256
     complete             written last: the sha256 of manifest.json, vouching that the checkpoint is whole
 
@@ -49,7 +50,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -57,7 +57,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -82,7 +81,6 @@ from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers
     RNG_DIR,
     CheckpointError,
     _my_share,
-    _parse_rng_state,
     _read_json,
     _sha256,
     complete_checkpoints,
@@ -93,6 +91,7 @@ from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers
 from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
 from diffrl.train.distributed import rank as process_rank
 from diffrl.train.export import adapter_key_predicate, lora_adapter_names
+from diffrl.train.rng_state import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -191,48 +190,6 @@ def _split_optimizer_state(state: dict[str, dict[str, Any]]) -> tuple[dict, dict
                     "and numbers only; use an optimizer whose state is tensors and numbers (torch.optim's are)"
                 )
     return tensors, {fqn: sorted(keys) for fqn, keys in description.items()}, scalars
-
-
-# ---------------------------------------------------------------------------------- RNG
-def _rng_state() -> dict[str, Any]:
-    """This process's global RNG states as JSON values (byte states as lists of ints).
-
-    CUDA: the current device's generator (diffrl runs one process per GPU), and only once CUDA is
-    initialised: a process that never touched CUDA has drawn nothing from it (and asking would
-    create a CUDA context on a CPU run).
-    """
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": {"version": version, "internal": list(internal), "gauss": gauss},
-        "numpy": {
-            "kind": kind,
-            "keys": keys.astype(np.int64).tolist(),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(np_gauss),
-        },
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], source: Path) -> None:
-    if "cuda" in state and not torch.cuda.is_available():
-        raise ValueError(
-            f"{source} holds a CUDA RNG state but CUDA is not available here: the run cannot continue "
-            "bit-identically on this machine; pass restore_rng=False to load everything else (from the "
-            f"command line: resume on a CUDA machine, or `diffrl export {source.parent.parent}` and "
-            "start a new run from the exported weights with model.path)"
-        )
-    python_state, numpy_state, torch_state, cuda_state = _parse_rng_state(state, source)
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(torch_state)
-    if cuda_state is not None:
-        torch.cuda.set_rng_state(cuda_state)
 
 
 # ---------------------------------------------------------------------------------- save
@@ -404,7 +361,7 @@ def _write_rank_files(tmp: Path, rank: int, model_state: dict, optim_tensors: di
     if optim_tensors:
         _save_tensors(optim_tensors, tmp / OPTIM_DIR)
     (tmp / RNG_DIR).mkdir(exist_ok=True)
-    _write_durable(tmp / RNG_DIR / f"rank_{rank:05d}.json", _json_bytes(_rng_state(), "RNG state", ""))
+    _write_durable(tmp / RNG_DIR / f"rank_{rank:05d}.json", _json_bytes(capture_rng_state(), "RNG state", ""))
 
 
 def _write_rank0_files(tmp: Path, files: dict[str, bytes]) -> None:
@@ -634,5 +591,5 @@ def load_checkpoint(
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
     if rng_state is not None:
-        _set_rng_state(rng_state, rng_file)
+        restore_rng_state(rng_state, rng_file)
     return extra

@@ -19,17 +19,15 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from safetensors import safe_open
 
 from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
 from diffrl.train.distributed import rank as process_rank
+from diffrl.train.rng_state import parse_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -82,32 +80,6 @@ def _my_share(names: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- RNG
-def _parse_rng_state(state: Any, source: Path) -> tuple[Any, Any, torch.Tensor, torch.Tensor | None]:
-    """(python, numpy, torch, cuda or None) RNG states of a checkpoint's rng/rank_<r>.json, each of
-    the type its setter takes; anything else is a CheckpointError (part of `verify_checkpoint`)."""
-    try:
-        python, numpy = state["python"], state["numpy"]
-        python_state = (int(python["version"]), tuple(int(v) for v in python["internal"]), python["gauss"])
-        numpy_state = (
-            str(numpy["kind"]),
-            np.asarray(numpy["keys"], dtype=np.int64).astype(np.uint32),
-            int(numpy["pos"]),
-            int(numpy["has_gauss"]),
-            float(numpy["gauss"]),
-        )
-        torch_state = torch.tensor(state["torch"], dtype=torch.uint8)
-        cuda_state = torch.tensor(state["cuda"], dtype=torch.uint8) if "cuda" in state else None
-        # what the setters would refuse, found without touching this process's generators
-        random.Random().setstate(python_state)
-        np.random.RandomState().set_state(numpy_state)
-        torch.Generator().set_state(torch_state)
-    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as err:
-        raise CheckpointError(
-            f"{source} is not a valid RNG state ({type(err).__name__}: {err}); {_FIX}"
-        ) from err
-    return python_state, numpy_state, torch_state, cuda_state
-
-
 # ---------------------------------------------------------------------------------- verify
 def _is_legacy(path: Path) -> bool:
     """A checkpoint of format 1 (torch.distributed.checkpoint): recognised by names only, never read."""
@@ -304,9 +276,9 @@ def _json_problem(path: Path, name: str, value: Any, meta: dict[str, Any]) -> st
             return "has no valid 'param_groups' list"
     elif name.startswith(f"{RNG_DIR}/"):
         try:
-            _parse_rng_state(value, path / name)
-        except CheckpointError as err:
-            return f"is not a valid RNG state ({err.__cause__})"
+            parse_rng_state(value)
+        except ValueError as err:
+            return f"is not a valid RNG state ({err})"
     return None
 
 
