@@ -79,7 +79,6 @@ def _my_share(names: list[str]) -> list[str]:
     return sorted(names)[process_rank() :: world_size()]
 
 
-# ---------------------------------------------------------------------------------- RNG
 # ---------------------------------------------------------------------------------- verify
 def _is_legacy(path: Path) -> bool:
     """A checkpoint of format 1 (torch.distributed.checkpoint): recognised by names only, never read."""
