@@ -7,8 +7,9 @@
         [--table] [--table-out FILE]
 
 Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset:
-each `shapes_*` preset but the supervised `shapes_sft` and `shapes_edit_sft` and `shapes_async`
-(Flow-GRPO with another placement); `default` is `shapes_nft_cfg_free` under another name), all
+each `shapes_*` preset but the supervised `shapes_sft` and `shapes_edit_sft`, `shapes_async`
+(Flow-GRPO with another placement) and `shapes_edit` (another task: image editing); `default` is
+`shapes_nft_cfg_free` under another name), all
 with the same GPU-scale overrides: 32 prompts × 16 samples per step, one optimizer step per step, 4 validation samples per
 prompt, validation before training and every `--val-every` steps. Extra `key=value` overrides after `--` apply to every run
 and win over these.
@@ -99,7 +100,7 @@ ALGORITHMS = {
     "shapes_dpo": "online Diffusion-DPO",
 }
 #: shapes_* presets that are not an RL algorithm of their own.
-NOT_ALGORITHMS = ("shapes_sft", "shapes_edit_sft", "shapes_async")
+NOT_ALGORITHMS = ("shapes_sft", "shapes_edit_sft", "shapes_async", "shapes_edit")
 
 ACCURACY = "val/accuracy"
 STEP_SECONDS = "timing_s/step"
