@@ -9,12 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from diffrl.cli import main
 from diffrl.controller.preflight import BUILTIN_DATA
 from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics as diffrl_read_metrics
+from diffrl.telemetry.report import GRID_MIN_TILE
 
 SMALL = ["trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
 NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
@@ -240,6 +242,22 @@ def test_preset_typo(capsys):
     assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
 
 
+#: A shapes job shrunk to two small steps that validate before and after (a 4-step schedule).
+TWO_SMALL_STEPS = [
+    "trainer.total_steps=2",
+    "trainer.test_freq=2",
+    "trainer.save_freq=2",
+    "data.prompts_per_step=2",
+    "rollout.n=4",
+    "rollout.micro_batch_size=8",
+    "actor.mini_batch_size=8",
+    "actor.micro_batch_size=8",
+    "rollout.pipeline.num_inference_steps=4",
+    "rollout.val.num_inference_steps=4",
+    "rollout.val.n=1",
+]
+
+
 @pytest.mark.parametrize(
     ("preset", "extra"),
     # the default job trains on steps 0-4, beyond the shrunk 4-step schedule: its range shrinks too
@@ -262,20 +280,10 @@ def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, 
         preset,
         [
             f"data.val_files=[{val_file}]",
-            "trainer.total_steps=2",
-            "trainer.test_freq=2",
-            "trainer.save_freq=2",
+            *TWO_SMALL_STEPS,
             f"trainer.output_dir={tmp_path}",
             "trainer.run_name=default",
-            "data.prompts_per_step=2",
-            "rollout.n=4",
-            "rollout.micro_batch_size=8",
-            "actor.mini_batch_size=8",
-            "actor.micro_batch_size=8",
-            "rollout.pipeline.num_inference_steps=4",
-            "rollout.val.num_inference_steps=4",
             "rollout.sde.window_range=[0,3]",
-            "rollout.val.n=1",
             *extra,
         ],
     )
@@ -292,7 +300,8 @@ def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, 
 def test_shapes_edit_job_short_run_writes_its_report_with_the_source_images(tmp_path, monkeypatch):
     """The edit task's RL job (`shapes_edit`, the shipped toy:shapes_edit model) shrunk to two
     small steps: it completes, validates every edit kind before and after, and its report's grid
-    shows each source image beside the result (twice the width of a grid without them)."""
+    shows the source images: each held-out row's PNG, enlarged as the grid enlarges its tiles,
+    appears in it pixel for pixel."""
     import shutil
 
     from PIL import Image
@@ -311,20 +320,10 @@ def test_shapes_edit_job_short_run_writes_its_report_with_the_source_images(tmp_
         "shapes_edit",
         [
             f"data.val_files=[{val_file}]",
-            "trainer.total_steps=2",
-            "trainer.test_freq=2",
-            "trainer.save_freq=2",
+            *TWO_SMALL_STEPS,
             f"trainer.output_dir={tmp_path}",
             "trainer.run_name=edit",
-            "data.prompts_per_step=2",
-            "rollout.n=4",
-            "rollout.micro_batch_size=8",
-            "actor.mini_batch_size=8",
-            "actor.micro_batch_size=8",
-            "rollout.pipeline.num_inference_steps=4",
-            "rollout.val.num_inference_steps=4",
             "algorithm.train_step_range=[0,3]",
-            "rollout.val.n=1",
         ],
     )
     metrics = read_metrics(run_dir)
@@ -336,5 +335,26 @@ def test_shapes_edit_job_short_run_writes_its_report_with_the_source_images(tmp_
     assert (report["before_step"], report["after_step"]) == (0, 2)
     for kind in ("recolor", "reshape", "add", "remove", "move"):
         assert report["before"][f"val/{kind}/accuracy"] == metrics[0][f"val/{kind}/accuracy"]
-    grid = Image.open(run_dir / "before_after.png")
-    assert grid.width > grid.height  # two panels of 5 rows, each cell a source and a result
+    grid = np.asarray(Image.open(run_dir / "before_after.png").convert("RGB"))
+    for row in firsts.values():
+        source = np.asarray(Image.open(BUILTIN_DATA / row["image"]).convert("RGB"))
+        scale = -(-GRID_MIN_TILE // source.shape[0])  # the report's integer enlargement of a 32² tile
+        assert contains(grid, source.repeat(scale, axis=0).repeat(scale, axis=1)), row["image"]
+
+
+def contains(image: np.ndarray, patch: np.ndarray) -> bool:
+    """Whether `patch` [h, w, 3] appears in `image` [H, W, 3] exactly, at any position."""
+
+    def packed(rgb: np.ndarray) -> np.ndarray:  # one int per pixel
+        rgb = rgb.astype(np.int64)
+        return (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+
+    big, small = packed(image), packed(patch)
+    h, w = small.shape
+    key = int(np.argmax([len(np.unique(r)) for r in small]))  # the patch's most varied row
+    windows = np.lib.stride_tricks.sliding_window_view(big, w, axis=1)  # [H, W - w + 1, w], a view
+    for y in range(key, big.shape[0] - h + key + 1):
+        for x in np.nonzero((windows[y] == small[key]).all(axis=1))[0]:
+            if np.array_equal(big[y - key : y - key + h, x : x + w], small):
+                return True
+    return False
