@@ -28,6 +28,7 @@ a measured step's. Peak memory is the worker's `perf/max_memory_allocated_gb` ov
     python benchmarks/e2e_recipe.py --set model.compile=false # any extra override, both recipes
     python benchmarks/e2e_recipe.py --gpus 1 2 4              # scaling, same per-GPU batch
     python benchmarks/e2e_recipe.py --recipe lean --gpus 2 --splits 1+1   # placements on 2 GPUs
+    python benchmarks/e2e_recipe.py --recipe flow_grpo --profile   # + a profiled step (JSON "profile")
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
 
     trainer, replicas = layout
     gpus = trainer + replicas
-    total = args.warmup + args.steps
+    # --profile: one more step, under the profiler, left out of the averages
+    total = args.warmup + args.steps + (1 if args.profile else 0)
     prompts, mini_batch = PER_GPU_BATCH[name]
     overrides = [
         f"model.path={model}",
@@ -153,6 +155,7 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
         *([*SEPARATE, f"rollout.replicas={replicas}"] if replicas else []),
         *(TINY if args.tiny else []),
         f"trainer.total_steps={total}",
+        *([f"trainer.profile_steps=[{total}]"] if args.profile else []),
         f"trainer.output_dir={out}",
         f"trainer.run_name={name}-{layout_name(trainer, replicas)}",
         *args.set,
@@ -161,7 +164,11 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
     strategy = OmegaConf.load(run_dir / "config.yaml").actor.strategy
-    summary = summarise_run(run_dir, args.warmup)
+    summary = summarise_run(run_dir, args.warmup, args.steps)
+    if args.profile:
+        # rank 0 of the trainer: where each worker call's time went (diffrl.telemetry.profiling)
+        profile = json.loads((run_dir / "profile" / f"step_{total}" / "summary.json").read_text())
+        summary["profile"] = profile["workers"]["trainer_rank0"]["calls"]
     return {**summary, "gpus": gpus, "replicas": replicas, "strategy": strategy, "wall_s": wall}
 
 
@@ -182,6 +189,12 @@ def main() -> None:
         "--splits", type=parse_layout, nargs="+", default=[], help="separate placements T+R to run"
     )
     parser.add_argument("--layout", type=parse_layout, default=None, help=argparse.SUPPRESS)  # one child run
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run one more step under torch.profiler (trainer.profile_steps): its trace in the run "
+        "directory, the trainer's per-call summary in the JSON, the step left out of the averages",
+    )
     parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
     args = parser.parse_args()
     from diffrl.telemetry.console import configure
@@ -245,6 +258,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out.append("--tiny")
     if args.verbose:
         out.append("--verbose")
+    if args.profile:
+        out.append("--profile")
     return out + (["--set", *args.set] if args.set else [])
 
 

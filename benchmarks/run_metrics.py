@@ -13,11 +13,14 @@ import statistics
 from pathlib import Path
 
 
-def summarise_run(run_dir: Path, warmup: int) -> dict:
-    """Throughput, per-phase seconds per sample, MFU per phase, peak memory and compile time."""
+def summarise_run(run_dir: Path, warmup: int, measured_steps: int | None = None) -> dict:
+    """Throughput, per-phase seconds per sample, MFU per phase, peak memory and compile time.
+
+    measured_steps: average only this many steps after the warm-up (None: all the rest), e.g. to
+    leave out a last step run under the profiler, whose overhead would count."""
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "timing_s/step" in r]
-    measured = records[warmup:]
+    measured = records[warmup:] if measured_steps is None else records[warmup : warmup + measured_steps]
     if not measured:
         raise ValueError(
             f"no measured steps: the run logged {len(records)} step(s) and {warmup} are warm-up; "

@@ -38,8 +38,10 @@ from diffrl.controller.placement import Colocated, PendingRollout, Placement, St
 from diffrl.controller.pool_sizing import SizingAdvisor, pool_metrics
 from diffrl.controller.validation import run_validation
 from diffrl.data import PromptRecord, PromptSampler
+from diffrl.files import write_json
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.telemetry.console import progress
+from diffrl.telemetry.profiling import format_summary
 from diffrl.train.engine import POLICY
 from diffrl.workers.group import WorkerGroup
 
@@ -269,8 +271,13 @@ class TrainingLoop:
                 if compiling
                 else progress(f"step {self.step}", delay=LONG_STEP_S, every=LONG_STEP_S)
             )
+            profiling = self.step in cfg.profile_steps
+            if profiling:
+                self.start_profiles()
             with heartbeat:
                 metrics = self.train_step()
+            if profiling:
+                self.stop_profiles()
             self.check_finite(metrics)
             last_step = self.step == cfg.total_steps
             if cfg.test_freq and self.val_records and (self.step % cfg.test_freq == 0 or last_step):
@@ -292,6 +299,32 @@ class TrainingLoop:
                     self.peaks[name] = max(self.peaks.get(name, 0.0), metrics[key])
         self.wall_s = time.perf_counter() - started
         return last_val
+
+    def _pools(self) -> dict[str, WorkerGroup]:
+        """The worker pools by role: the trainer ranks, and separate placement's replicas."""
+        pools = {"trainer": self.workers}
+        if self.placement.samplers is not self.workers:
+            pools["rollout"] = self.placement.samplers
+        return pools
+
+    def start_profiles(self) -> None:
+        for pool in self._pools().values():
+            pool.call("start_profile")
+
+    def stop_profiles(self) -> None:
+        """Each worker writes its trace of this step to <run>/profile/step_<N>/; their summaries
+        (diffrl.telemetry.profiling) go to summary.json there, rank 0's of each pool to the console."""
+        out = self.run_dir / "profile" / f"step_{self.step}"
+        summaries: dict[str, Any] = {}
+        for role, pool in self._pools().items():
+            names = [f"{role}_rank{rank}" for rank in range(pool.size)]
+            summaries.update(zip(names, pool.scatter("stop_profile", names, out_dir=str(out))))
+        write_json(out / "summary.json", {"step": self.step, "workers": summaries})
+        print(f"profile of step {self.step}: {out} (traces open in https://ui.perfetto.dev)")
+        for role in self._pools():
+            summary = summaries[f"{role}_rank0"]
+            print(f"{role} rank 0 ({summary['device']}), by worker call:")
+            print("\n".join(format_summary(summary)))
 
     def run_stats(self) -> dict[str, Any]:
         """This start's wall time (validations and checkpoints included), images trained on, images/s

@@ -12,7 +12,9 @@ diffrl.workers.weight_sync; the classes carry no flags about it. Each role build
 from the config inside its own process, so nothing large crosses the controller. The math lives
 elsewhere: policy-gradient and flow-matching updates in `diffrl.train.engine`, the forward-process
 losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FLOPs accounting in
-`diffrl.telemetry.perf`, export in `diffrl.train.export`.
+`diffrl.telemetry.perf`, export in `diffrl.train.export`. Every role can run a step under the
+profiler (`start_profile` / `stop_profile`, diffrl.telemetry.profiling); the methods marked
+`@profiled_call` are the calls its summary reports.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from diffrl.config.schema import Config
 from diffrl.models.base import ModelAdapter
+from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE, TrainEngine
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
@@ -65,7 +68,7 @@ def join_process_group() -> None:
         init_distributed()
 
 
-class ActorWorker:
+class ActorWorker(ProfiledWorker):
     """The training engine in a worker process."""
 
     def __init__(
@@ -106,6 +109,7 @@ class ActorWorker:
         self._training_sigmas: torch.Tensor | None = None
         self._prompt_cache: dict[str, Any] = {}
 
+    @profiled_call
     def forward_backward(
         self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
     ):
@@ -118,6 +122,7 @@ class ActorWorker:
                 _to_device(micro_batches, self.engine.adapter.device), window_steps
             )
 
+    @profiled_call
     def flow_matching_backward(self, shard: ImageShard, *, seed: int, step: int) -> dict[str, float]:
         """Accumulate the supervised flow-matching gradient of a shard of images (`diffrl sft`);
         each image's prompt dropout, noise level and noise: `diffrl.algos.sft_batch`."""
@@ -194,6 +199,7 @@ class ActorWorker:
             )
         )
 
+    @profiled_call
     def optim_step(self) -> dict[str, float]:
         return self.engine.optim_step()
 
@@ -206,6 +212,7 @@ class ActorWorker:
             pipe.height, pipe.width, pipe.num_frames, pipe.guidance_scale, pipe.true_cfg_scale
         )
 
+    @profiled_call
     def forward_process_backward(self, micro_batches: Sequence[Any], *, seed: int, step: int, epoch: int):
         """NFT/AWM: accumulate the gradient of this worker's clean samples (`CleanBatch`es), each at
         a random `algorithm.timestep_fraction` of the rollout schedule's noise levels (those of the
@@ -229,6 +236,7 @@ class ActorWorker:
             epoch=epoch,
         )
 
+    @profiled_call
     def dpo_backward(self, micro_batches: Sequence[Any], *, seed: int, step: int, epoch: int):
         """DPO: accumulate the gradient of this worker's preference pairs (`PairBatch`es)."""
         from diffrl.train.preference import dpo_backward
@@ -242,6 +250,7 @@ class ActorWorker:
         return self.engine.optim_steps
 
     @torch.no_grad()
+    @profiled_call
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 [B, 3, H, W] -> fp32 latents on the CPU (VAE posterior mode, or pixel space),
         `actor.micro_batch_size` images at a time."""
@@ -250,12 +259,14 @@ class ActorWorker:
         return torch.cat([adapter.encode(pixels[s : s + micro]).cpu() for s in range(0, len(pixels), micro)])
 
     @torch.no_grad()
+    @profiled_call
     def encode_prompt_rows(self, prompts: Sequence[str]):
         """One conditioning row per prompt on the CPU, without negatives (DPO's conditional velocity)."""
         return self.engine.adapter.encode_prompts(
             list(prompts), None, max_sequence_length=self.cfg.rollout.pipeline.max_sequence_length
         ).to("cpu")
 
+    @profiled_call
     def log_probs(
         self, rollout: Rollout, policy: str = POLICY, as_trained: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +282,7 @@ class ActorWorker:
         return log_probs.cpu(), means.cpu()
 
     # ------------------------------------------------- the step's rollout, held here (policy gradient)
+    @profiled_call
     def stage(self, parts: Sequence[Any], first_row: int = 0) -> None:
         """Take this rank's rows of the step's rollout: the samplers' pieces in order, starting at
         row `first_row` (object references fetched here, `Kept` markers resolved from this
@@ -278,6 +290,7 @@ class ActorWorker:
         numbers; the tensors never pass through the controller."""
         self._staged = StagedRows(concat_rollouts(self._kept.resolve(parts)), first_row)
 
+    @profiled_call
     def staged_log_probs(
         self, rows: slice, policy: str = POLICY, keep: bool = False
     ) -> tuple[torch.Tensor, Any]:
@@ -288,12 +301,14 @@ class ActorWorker:
         log_probs, means = self.log_probs(staged, policy)
         return log_probs, self._kept.keep(f"means/{policy}", means) if keep else handed_over(means)
 
+    @profiled_call
     def stage_targets(self, targets: TrainingTargets, means: Mapping[str, Sequence[Any]]) -> None:
         """The step's per-sample training targets: the controller's (advantages, old log-probs,
         weights, step mask; all rows) plus the SDE means `staged_log_probs` computed, by field name
         (`old_means`, `ref_means`), each the pieces that cover this rank's rows, in row order."""
         self._staged.set_targets(targets, {name: self._kept.resolve(p) for name, p in means.items()})
 
+    @profiled_call
     def staged_forward_backward(self, micro_rows: Sequence[torch.Tensor]) -> dict[str, float]:
         """`forward_backward` of the staged rows, one micro-batch per entry of `micro_rows`."""
         return self.forward_backward([self._staged.batch(rows) for rows in micro_rows])
@@ -304,9 +319,11 @@ class ActorWorker:
     def ema_adapter(self, decay: float, src: str, dst: str) -> None:
         self.engine.ema_adapter(decay, src, dst)
 
+    @profiled_call
     def save(self, root: str, step: int, extra: dict, keep_last: int) -> str:
         return str(self.engine.save(root, step, extra, keep_last))
 
+    @profiled_call
     def load(self, path: str) -> dict:
         return self.engine.load(path)
 
@@ -362,6 +379,7 @@ class ActorWorker:
         return tensor_specs((k, t) for k, t in self.engine.transformer.state_dict().items() if keep(k))
 
     @torch.no_grad()
+    @profiled_call
     def send_weights(self, full: bool, bucket_bytes: int) -> dict[str, float]:
         """Stream the weights to the replicas: every tensor (`full`) or the LoRA adapters only.
 
@@ -380,6 +398,7 @@ class ActorWorker:
         return self._weight_sync.send(named, bucket_bytes=bucket_bytes).metrics()
 
     @torch.no_grad()
+    @profiled_call
     def snapshot_weights(self, version: int, full: bool) -> list[Any]:
         """Copy what `send_weights(full)` would stream, as weight version `version`, for a later
         `send_snapshot` (bounded staleness: the replicas take it once they have sampled the batches
@@ -398,6 +417,7 @@ class ActorWorker:
         self._snapshots[version] = copies
         return tensor_specs(copies)
 
+    @profiled_call
     def send_snapshot(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Stream the copies `snapshot_weights(version)` kept to the replicas and drop them; rank 0."""
         if self._weight_sync is None:
@@ -438,9 +458,11 @@ class HybridWorker(ActorWorker):
         super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference)
         self.rollout = RolloutWorker(cfg, self.engine.adapter, use_policy=self.engine.inference_policy)
 
+    @profiled_call
     def sample(self, prompts: Sequence[str], **kwargs) -> Rollout:
         return self.rollout.sample(prompts, **kwargs)
 
+    @profiled_call
     def sample_and_score(
         self,
         shard: PromptShard,
@@ -464,6 +486,7 @@ class HybridWorker(ActorWorker):
         """Colocated weights change in place; only the version the rollouts record moves."""
         self.rollout.weight_version = version
 
+    @profiled_call
     def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
         return self.rollout.validate_and_score(shard, rewards=rewards)
 

@@ -22,6 +22,7 @@ from diffrl.data.images import ConditionImage
 from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
+from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
 from diffrl.train.engine import OLD, POLICY, REFERENCE
 from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts, evaluate_window
@@ -69,7 +70,7 @@ def attention_backend(setting: str, adapter: ModelAdapter) -> str:
     return "native"
 
 
-class RolloutWorker:
+class RolloutWorker(ProfiledWorker):
     """Samples trajectories and scores them as they decode.
 
     Colocated, it wraps the actor's own module (`HybridWorker`); as a replica of the separate
@@ -125,6 +126,7 @@ class RolloutWorker:
         finally:
             self.adapter.transformer.set_adapter(POLICY)
 
+    @profiled_call
     def sample(
         self,
         prompts: Sequence[str],
@@ -140,6 +142,7 @@ class RolloutWorker:
                 prompts, seed=seed, step=step, uids=uids, metadata=metadata, images=images
             )
 
+    @profiled_call
     def sample_and_score(
         self,
         shard: PromptShard,
@@ -174,6 +177,7 @@ class RolloutWorker:
         return summary, handed_over(rollout)
 
     @torch.no_grad()
+    @profiled_call
     def evaluate(self, rollout: Rollout, policies: Sequence[str]) -> dict[str, tuple[torch.Tensor, Any]]:
         """{policy: (log-probs [B, W] on the CPU, the SDE means handed over)} of `rollout`'s window
         steps under each of `policies` (`policy` or `reference`, the adapters disabled), with the
@@ -196,6 +200,7 @@ class RolloutWorker:
             out[policy] = (log_probs.cpu(), handed_over(means.cpu()))
         return out
 
+    @profiled_call
     def evaluate_parts(self, parts: Sequence[Any], policies: Sequence[str]) -> dict[str, Any]:
         """`evaluate` of the handed-over rollout `parts` (joined in order) with the weights held
         now: `passes`, the `weight_version` they used and the seconds it took (`busy_s`). The
@@ -222,6 +227,7 @@ class RolloutWorker:
                 f"disabled), not {policy!r}: set rollout.log_prob_passes=trainer"
             )
 
+    @profiled_call
     def sample_scored(
         self, shard: PromptShard, *, seed: int, step: int, rewards: Any, policy: str = POLICY
     ) -> tuple[RolloutSummary, Rollout]:
@@ -252,6 +258,7 @@ class RolloutWorker:
         rollout.extras["weight_version"] = self.weight_version
         return rollout
 
+    @profiled_call
     def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
         """`sample_validation` of a shard of prompts, scored."""
         with self._use_policy(POLICY):
@@ -286,6 +293,7 @@ class RolloutWorker:
         )
 
     @torch.no_grad()
+    @profiled_call
     def receive_weights(self, specs: Sequence[Any], version: int, bucket_bytes: int) -> dict[str, float]:
         """Receive the tensors `specs` names into the module, in place; sample as `version` from now."""
         if self._weight_sync is None:

@@ -44,6 +44,8 @@ class TrainerConfig:
     seed: int = 42
     check_at_start: bool = True  # `diffrl check --quick` before the run starts (docs/check.md)
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
+    # steps run under torch.profiler: each worker's trace and a summary in <run>/profile/step_<N>/
+    profile_steps: list[int] = field(default_factory=list)
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
     PLACEMENTS = ("colocated", "separate")
@@ -69,6 +71,14 @@ class TrainerConfig:
         require_at_least(f"{at}.nnodes", self.nnodes, 1)
         require_at_least(f"{at}.seed", self.seed, 0)
         require_at_least(f"{at}.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        for step in self.profile_steps:
+            require(
+                isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= self.total_steps,
+                f"{at}.profile_steps",
+                list(self.profile_steps),
+                f"lists steps to profile, each an integer from 1 to trainer.total_steps ({self.total_steps}); "
+                "e.g. trainer.profile_steps=[3] (after the first step's torch.compile warm-up)",
+            )
         require_choice(f"{at}.placement", self.placement, self.PLACEMENTS)
         require_choice(f"{at}.async_mode", self.async_mode, self.ASYNC_MODES)
         require(
