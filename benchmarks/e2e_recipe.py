@@ -45,7 +45,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run_metrics import summarise_run  # noqa: E402
+from run_metrics import profile_summary, summarise_run  # noqa: E402
 
 YAML = HERE / "sd35_medium_jpeg.yaml"
 
@@ -166,9 +166,7 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
     strategy = OmegaConf.load(run_dir / "config.yaml").actor.strategy
     summary = summarise_run(run_dir, args.warmup, args.steps)
     if args.profile:
-        # rank 0 of the trainer: where each worker call's time went (diffrl.telemetry.profiling)
-        profile = json.loads((run_dir / "profile" / f"step_{total}" / "summary.json").read_text())
-        summary["profile"] = profile["workers"]["trainer_rank0"]["calls"]
+        summary["profile"] = profile_summary(run_dir, total)
     return {**summary, "gpus": gpus, "replicas": replicas, "strategy": strategy, "wall_s": wall}
 
 

@@ -49,7 +49,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run_metrics import summarise_run  # noqa: E402
+from run_metrics import profile_summary, summarise_run  # noqa: E402
 
 #: family -> (its random pipeline, its presets: the first is the default)
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -177,11 +177,15 @@ def run_preset(preset: str, model: Path, out: Path, args: argparse.Namespace) ->
     from diffrl.config.loader import load_config
     from diffrl.controller.run import train
 
+    # --profile: one more step, under the profiler, left out of the averages
+    total = args.steps + (1 if args.profile else 0)
+
     def run_overrides(prompt_file: str) -> list[str]:
         return [
             f"model.path={model}",
             *one_gpu_overrides(preset, args.global_batch, args.gpus, prompt_file),
-            f"trainer.total_steps={args.steps}",
+            f"trainer.total_steps={total}",
+            *([f"trainer.profile_steps=[{total}]"] if args.profile else []),
             f"trainer.output_dir={out}",
             f"trainer.run_name={preset}",
             *args.set,
@@ -201,7 +205,8 @@ def run_preset(preset: str, model: Path, out: Path, args: argparse.Namespace) ->
             cfg.rollout.pipeline.width,
             cfg.rollout.pipeline.num_frames,
         ],
-        **summarise_run(run_dir, args.warmup),
+        **summarise_run(run_dir, args.warmup, args.steps - args.warmup),
+        **({"profile": profile_summary(run_dir, total)} if args.profile else {}),
         "wall_s": wall,
         "overrides": overrides,
     }
@@ -233,6 +238,12 @@ def main() -> None:
         "--remove-model", action="store_true", help="delete the pipeline directory at the end"
     )
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides, applied last")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run one more step under torch.profiler (trainer.profile_steps), left out of the "
+        "averages: the trainer's per-call summary in the JSON, the trace in the run directory",
+    )
     parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
     args = parser.parse_args()
     from diffrl.models import edits_images
@@ -266,6 +277,7 @@ def main() -> None:
                 cmd += ["--global-batch"] if args.global_batch else []
                 cmd += ["--set", *args.set] if args.set else []
                 cmd += ["--verbose"] if args.verbose else []
+                cmd += ["--profile"] if args.profile else []
                 done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
                 results[name] = json.loads(done.stdout.strip().splitlines()[-1])["results"][name]
         else:

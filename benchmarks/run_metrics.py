@@ -54,3 +54,11 @@ def summarise_run(run_dir: Path, warmup: int, measured_steps: int | None = None)
         # gradient norm is what compares two layouts of the same batch (sequence parallel vs one GPU)
         "grad_norm": [r.get("actor/grad_norm") for r in records],
     }
+
+
+def profile_summary(run_dir: Path, step: int) -> dict:
+    """The trainer's rank 0 per-call summary of a step run under `trainer.profile_steps`
+    (diffrl.telemetry.profiling): wall, GPU busy share and kernel time by kind for each call."""
+    recorded = json.loads((Path(run_dir) / "profile" / f"step_{step}" / "summary.json").read_text())
+    return recorded["workers"]["trainer_rank0"]["calls"]
+
