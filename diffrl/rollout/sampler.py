@@ -246,7 +246,9 @@ class TrajectorySampler:
         sample_index_B = torch.arange(sample_offset, sample_offset + total)
         group_index_B = sample_index_B // n  # global, like the sample index: it keys the group's noise
         chunks: list[Trajectories] = []
-        through_training_graph = as_trained and adapter.trains_through_compiled_graph
+        # compiled: the window steps run the training graph only where the trainer reuses their
+        # log-probs; a run that recomputes them samples through the faster no-grad graph
+        through_training_graph = as_trained and self.log_probs_reused and adapter.trains_through_compiled_graph
         with self._progress_bar() as bar, torch.no_grad():
             task = bar.add_task(f"sampling step {step}", total=total * num_steps)
             for start in range(0, total, micro):
@@ -354,13 +356,15 @@ class TrajectorySampler:
         Eager kernels are the same with and without grad, so eager slices run without it.
         Compiled blocks are not: the training graph (grad on, trainable LoRA weights) is
         partitioned for the backward and fuses, and so rounds, differently from the no-grad graph,
-        so compiled slices run with grad on (the autograd graph is dropped at once), whether or not
-        the log-probs are reused (`trains_through_compiled_graph`). An eager run that recomputes
-        them samples its window at the rollout micro-batch ([slice(None)]): slices would only slow
-        it down.
+        so compiled slices run with grad on (the autograd graph is dropped at once;
+        `trains_through_compiled_graph`). A run that recomputes them (with
+        `actor.replay_steps_per_forward` > 1, `model.lora.merge_inference`, or
+        `algorithm.old_log_probs=recompute`), eager or compiled, samples its window at the rollout
+        micro-batch without grad ([slice(None)]): slices and the training graph would only slow it
+        down.
         """
         micro = self.adapter.train_micro_batch_size
-        if not micro or not (self.log_probs_reused or self.adapter.trains_through_compiled_graph):
+        if not micro or not self.log_probs_reused:
             return [slice(None)]
         return [slice(s, min(s + micro, batch)) for s in range(0, batch, micro)]
 

@@ -262,8 +262,10 @@ def test_rollout_correction_weights_scale_each_samples_term(tiny_model):
 
 
 def _rollout_with_random_lora(tiny_model, *, rollout_micro: int, actor_micro: int, compile_backend=None):
-    """A rollout sampled by the module an engine trains (LoRA made non-zero so it matters)."""
+    """A rollout sampled by the module an engine trains (LoRA made non-zero so it matters), its
+    log-probs meant for reuse as the trainer's old ones."""
     engine, sampler = make(tiny_model, micro=actor_micro)
+    sampler.log_probs_reused = True
     perturb_lora(engine)
     if compile_backend is not None:
         engine.adapter.compile_blocks(backend=compile_backend)
@@ -312,19 +314,30 @@ def test_eager_sampler_computes_window_steps_in_actor_micro_batches_where_its_lo
     assert sorted(calls) == sorted([(4, False)] * (2 * (4 - w)) + window)
 
 
-def test_compiled_sampler_runs_window_steps_through_the_training_graph_in_actor_micro_batches(tiny_model):
+@pytest.mark.parametrize("reused", [True, False], ids=["reused", "recomputed"])
+def test_compiled_sampler_runs_window_steps_through_the_training_graph_where_its_log_probs_are_reused(
+    tiny_model, reused
+):
     # aot_eager traces the joint (training) graph like inductor does, without a C++ toolchain; the
-    # rollout micro-batch (8) is twice the actor's (4): the sampler slices its window steps to 4
+    # rollout micro-batch (8) is twice the actor's (4). Reused: the sampler slices its window steps
+    # to 4 and runs them with grad on, as the update's first forward. Recomputed (batched replay,
+    # merged LoRA, old_log_probs=recompute): nothing needs that, so it samples 8 at a time, no grad.
     engine, rollout = _rollout_with_random_lora(
         tiny_model, rollout_micro=8, actor_micro=4, compile_backend="aot_eager"
     )
-    sampler = TrajectorySampler(engine.adapter, rollout_cfg_with_micro(8), progress=False)
+    sampler = TrajectorySampler(
+        engine.adapter, rollout_cfg_with_micro(8), progress=False, log_probs_reused=reused
+    )
     with velocity_calls(engine.adapter) as calls:
         again = sampler.sample(PROMPTS, seed=0, step=0)
     _, w = sampler.window(0, 0)
-    assert sorted(calls) == sorted([(8, False)] * (4 - w) + [(4, True)] * (2 * w))  # 4 steps, 8 samples
-    assert torch.equal(again.samples.log_probs_BW, rollout.samples.log_probs_BW)
-    assert torch.equal(_trainer_log_probs(engine, rollout, 4), rollout.samples.log_probs_BW)
+    window = [(4, True)] * (2 * w) if reused else [(8, False)] * w
+    assert sorted(calls) == sorted([(8, False)] * (4 - w) + window)  # 4 steps, 8 samples
+    if reused:
+        assert torch.equal(again.samples.log_probs_BW, rollout.samples.log_probs_BW)
+        assert torch.equal(_trainer_log_probs(engine, rollout, 4), rollout.samples.log_probs_BW)
+    else:
+        assert torch.allclose(again.samples.log_probs_BW, rollout.samples.log_probs_BW, rtol=1e-4, atol=1e-4)
 
 
 @contextmanager
