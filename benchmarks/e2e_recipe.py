@@ -167,7 +167,30 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
     summary = summarise_run(run_dir, args.warmup, args.steps)
     if args.profile:
         summary["profile"] = profile_summary(run_dir, total)
+        summary["kernel_share"] = kernel_share(summary)
     return {**summary, "gpus": gpus, "replicas": replicas, "strategy": strategy, "wall_s": wall}
+
+
+# The worker calls each trainer phase is made of (diffrl.workers.roles), for `kernel_share`.
+PHASE_CALLS = {
+    "gen": ("sample_and_score",),
+    "ref+old_log_prob": ("staged_log_probs",),
+    "update_actor": ("stage", "stage_targets", "staged_forward_backward", "optim_step"),
+}
+
+
+def kernel_share(summary: dict) -> dict:
+    """Per phase: the profiled step's GPU kernel seconds over the unprofiled steps' mean wall
+    seconds. The profiler records every operator, which slows CPU-bound code, so its own
+    `busy_fraction` understates how busy the GPU is in a normal step; this is the real share."""
+    images = summary["images_per_step_per_gpu"]
+    out = {}
+    for phase, calls in PHASE_CALLS.items():
+        wall = sum(summary["per_image_s"].get(p, 0.0) for p in phase.split("+")) * images
+        kernels = sum(summary["profile"][c]["busy_s"] for c in calls if c in summary["profile"])
+        if wall > 0 and kernels > 0:
+            out[phase] = round(kernels / wall, 4)
+    return out
 
 
 def main() -> None:
