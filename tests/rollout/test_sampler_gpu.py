@@ -29,7 +29,8 @@ def test_bf16_reevaluation_of_the_same_micro_batch_is_exact(tiny_model, family):
         ),
         sde=SdeConfig(noise_level=0.7, window_size=2, window_range=[0, 5]),
     )
-    rollout = TrajectorySampler(adapter, cfg, progress=False).sample(
+    # a run that reuses the log-probs (the sampler then runs its window as the trainer will)
+    rollout = TrajectorySampler(adapter, cfg, progress=False, log_probs_reused=True).sample(
         ["a red circle", "a blue square"], seed=0, step=0
     )
     assert rollout.samples.window_latents.dtype == torch.float32
@@ -69,7 +70,8 @@ def test_compiled_sampling_and_the_trainers_reevaluation_give_identical_log_prob
         ),
         sde=SdeConfig(noise_level=0.7, window_size=2, window_range=[0, 5]),
     )
-    rollout = TrajectorySampler(adapter, cfg, progress=False).sample(
+    # a run that reuses the log-probs (the sampler then runs its window as the trainer will)
+    rollout = TrajectorySampler(adapter, cfg, progress=False, log_probs_reused=True).sample(
         ["a red circle", "a blue square"], seed=0, step=0
     )
     for start in (0, 4):  # the trainer's micro-batches of 4, grad on, as in TrainEngine._step_loss
