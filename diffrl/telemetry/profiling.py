@@ -12,8 +12,10 @@ its number of calls, its wall seconds and the device work that ran for it, by ki
     other       every other kernel (torch's eager elementwise ops, reductions, copies, NCCL)
     memory      memcpy and memset
 
-`busy_fraction` is the share of the call's wall time during which some kernel ran; the rest is
-launch overhead, Python, and waits (host synchronisation, the CPU's work, a collective's peers). A
+`busy_fraction` is the share of the call's wall time during which some kernel ran; the rest,
+`idle_s`, is split by the length of each gap between kernels: under 50 us (back-to-back launches),
+50 us to 1 ms (the host dispatching slower than the GPU runs), over 1 ms (the host waiting:
+synchronisation, CPU work, a collective's peers, a reward). A
 kernel belongs to the call that started last before it: one worker's calls run one at a time on one
 thread, and a call's queued kernels may still run after it returns. On a CPU worker the same table
 counts the top-level torch operators' CPU time (a `linear` with the `addmm` inside it counts once).
@@ -80,15 +82,31 @@ def kernel_kind(name: str, table: Sequence[tuple[str, tuple[str, ...]]] = _GPU_K
     return "other"
 
 
-def _union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
-    """Seconds covered by the (start, end) intervals in microseconds, overlaps counted once."""
-    total, end = 0.0, float("-inf")
+#: Idle gaps by length (microseconds): back-to-back launches, host-bound dispatch, host waits.
+GAP_BUCKETS = (("under_50us", 50.0), ("50us_to_1ms", 1000.0), ("over_1ms", float("inf")))
+
+
+def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) intervals with overlapping ones joined, in order."""
+    out: list[tuple[float, float]] = []
     for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total / 1e6
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def _idle_gaps(busy: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
+    """Seconds of [start, end) with no kernel running, by gap length (`GAP_BUCKETS`)."""
+    out = dict.fromkeys((name for name, _ in GAP_BUCKETS), 0.0)
+    edges = [start, *(t for interval in busy for t in interval), end]
+    for gap_start, gap_end in zip(edges[::2], edges[1::2]):
+        gap = gap_end - gap_start
+        if gap > 0:
+            name = next(name for name, limit in GAP_BUCKETS if gap < limit)
+            out[name] += gap / 1e6
+    return out
 
 
 def _outermost(events: list[dict]) -> list[dict]:
@@ -139,12 +157,22 @@ def summarise_trace(trace: dict) -> dict[str, Any]:
         name = call["name"][len(CALL_PREFIX) :]
         entry = summary.setdefault(
             name,
-            {"calls": 0, "wall_s": 0.0, "busy_s": 0.0, "kinds_s": dict.fromkeys(KINDS, 0.0), "_top": {}},
+            {
+                "calls": 0,
+                "wall_s": 0.0,
+                "busy_s": 0.0,
+                "idle_s": dict.fromkeys((name for name, _ in GAP_BUCKETS), 0.0),
+                "kinds_s": dict.fromkeys(KINDS, 0.0),
+                "_top": {},
+            },
         )
         end = max([call["ts"] + call["dur"], *(e["ts"] + e["dur"] for e in mine)])
+        busy = _merged((e["ts"], e["ts"] + e["dur"]) for e in mine)
         entry["calls"] += 1
         entry["wall_s"] += (end - call["ts"]) / 1e6
-        entry["busy_s"] += _union_seconds((e["ts"], e["ts"] + e["dur"]) for e in mine)
+        entry["busy_s"] += sum(stop - start for start, stop in busy) / 1e6
+        for name, seconds in _idle_gaps(busy, call["ts"], end).items():
+            entry["idle_s"][name] += seconds
         for event in mine:
             entry["kinds_s"][kinds[id(event)]] += event["dur"] / 1e6
             top = entry["_top"].setdefault(event["name"][:_NAME_CHARS], [0.0, 0])
@@ -156,6 +184,7 @@ def summarise_trace(trace: dict) -> dict[str, Any]:
         entry["busy_fraction"] = round(entry["busy_s"] / entry["wall_s"], 4) if entry["wall_s"] > 0 else None
         entry["wall_s"], entry["busy_s"] = round(entry["wall_s"], 6), round(entry["busy_s"], 6)
         entry["kinds_s"] = {kind: round(s, 6) for kind, s in entry["kinds_s"].items()}
+        entry["idle_s"] = {name: round(s, 6) for name, s in entry["idle_s"].items()}
     return {"device": device, "calls": summary, "unattributed_s": round(unattributed, 6)}
 
 
@@ -173,7 +202,11 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
             f"{kind} {entry['kinds_s'][kind] / work:.0%}" for kind in KINDS if work and entry["kinds_s"][kind] > 0
         )
         busy = f"{entry['busy_fraction']:.0%} busy" if entry["busy_fraction"] is not None else "-"
-        lines.append(f"  {name}: {entry['calls']} call(s), {entry['wall_s']:.3f} s, {busy}; {shares or 'no work'}")
+        idle = entry["idle_s"]
+        gaps = f"idle {idle['under_50us']:.3f} / {idle['50us_to_1ms']:.3f} / {idle['over_1ms']:.3f} s in gaps <50us / <1ms / longer"
+        lines.append(
+            f"  {name}: {entry['calls']} call(s), {entry['wall_s']:.3f} s, {busy} ({shares or 'no work'}); {gaps}"
+        )
     return lines
 
 

@@ -54,6 +54,8 @@ def test_kernels_go_to_the_call_that_started_last_before_them():
     # busy: [200, 600) + [900, 1000) + [1050, 1200) = 400 + 100 + 150 us
     assert sample["busy_s"] == pytest.approx(650e-6)
     assert sample["busy_fraction"] == pytest.approx(650 / 1100, abs=1e-4)
+    # gaps: 100-200 (100 us), 600-900 (300 us), 1000-1050 (50 us): none of 1 ms or more
+    assert sample["idle_s"] == pytest.approx({"under_50us": 0.0, "50us_to_1ms": 450e-6, "over_1ms": 0.0})
     assert sample["kinds_s"] == pytest.approx(
         {"matmul": 300e-6, "attention": 200e-6, "fused": 100e-6, "other": 0.0, "memory": 150e-6}
     )
@@ -69,6 +71,21 @@ def test_kernels_go_to_the_call_that_started_last_before_them():
     assert update["busy_s"] == pytest.approx(500e-6)
     assert update["kinds_s"]["other"] == pytest.approx(100e-6)
     assert update["kinds_s"]["matmul"] == pytest.approx(400e-6)
+    # the first call: 100 us before its kernel, 200 us after; the second none
+    assert update["idle_s"] == pytest.approx({"under_50us": 0.0, "50us_to_1ms": 300e-6, "over_1ms": 0.0})
+
+
+def test_idle_time_is_split_by_gap_length():
+    trace = {
+        "traceEvents": [
+            _span(CALL_PREFIX + "optim_step", 0, 5000),
+            _kernel("k", 10, 10),  # 10 us after the start
+            _kernel("k", 30, 2970),  # 10 us later; then idle from 3000 to the call's end, 2 ms
+        ]
+    }
+    entry = summarise_trace(trace)["calls"]["optim_step"]
+    assert entry["idle_s"] == pytest.approx({"under_50us": 20e-6, "50us_to_1ms": 0.0, "over_1ms": 2000e-6})
+    assert entry["busy_s"] == pytest.approx(2980e-6)
 
 
 @pytest.mark.parametrize(
@@ -133,8 +150,9 @@ def test_a_profiled_step_writes_its_trace_and_a_summary_that_agrees_with_it(tmp_
     assert 0 < calls["staged_forward_backward"]["wall_s"] <= step["timing_s/update_actor"] + 0.01
     for entry in calls.values():
         assert 0 <= entry["busy_s"] <= entry["wall_s"] + 1e-9
+        assert sum(entry["idle_s"].values()) == pytest.approx(entry["wall_s"] - entry["busy_s"], abs=1e-5)
         assert sum(entry["kinds_s"].values()) == pytest.approx(entry["busy_s"], rel=1e-3, abs=1e-5)
     assert calls["sample_and_score"]["kinds_s"]["matmul"] > 0
     console = printed.getvalue()
     assert f"profile of step 2: {out}" in console
-    assert "staged_forward_backward: 2 call(s)" in console
+    assert "staged_forward_backward: 2 call(s)" in console and "in gaps <50us / <1ms / longer" in console
