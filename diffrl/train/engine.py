@@ -308,6 +308,8 @@ class TrainEngine:
         """
         terms = self._pad_to_peers(terms, padding)
         sums: dict[str, float] = defaultdict(float)
+        # on the device to the end: reading the loss after each backward would stall the next forward
+        loss_sum: torch.Tensor | None = None
         for index, term in enumerate(terms):
             self._sync_gradients(index == len(terms) - 1)
             with offload.saved_tensors_offload(self.cfg.activation_offload):
@@ -315,9 +317,13 @@ class TrainEngine:
             (loss * term.grad_scale).backward()
             if term.metric_weight is None:
                 continue
-            sums["loss"] += float(loss.detach()) * term.metric_weight
+            weighted = loss.detach().double() * term.metric_weight  # the host's float64 math, in order
+            loss_sum = (0.0 if loss_sum is None else loss_sum) + weighted  # 0.0 + -0.0 is 0.0, as before
+            sums["loss"] = 0.0  # its place in the metrics' order
             for key, value in metrics.items():
                 sums[key] += value * term.metric_weight
+        if loss_sum is not None:
+            sums["loss"] = float(loss_sum)
         return {key: value / metrics_divisor for key, value in sums.items()}
 
     def forward_backward(
