@@ -61,4 +61,3 @@ def profile_summary(run_dir: Path, step: int) -> dict:
     (diffrl.telemetry.profiling): wall, GPU busy share and kernel time by kind for each call."""
     recorded = json.loads((Path(run_dir) / "profile" / f"step_{step}" / "summary.json").read_text())
     return recorded["workers"]["trainer_rank0"]["calls"]
-

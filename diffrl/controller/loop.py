@@ -318,7 +318,7 @@ class TrainingLoop:
         summaries: dict[str, Any] = {}
         for role, pool in self._pools().items():
             names = [f"{role}_rank{rank}" for rank in range(pool.size)]
-            summaries.update(zip(names, pool.scatter("stop_profile", names, out_dir=str(out))))
+            summaries.update(zip(names, pool.scatter("stop_profile", names, out_dir=str(out)), strict=True))
         write_json(out / "summary.json", {"step": self.step, "workers": summaries})
         print(f"profile of step {self.step}: {out} (traces open in https://ui.perfetto.dev)")
         for role in self._pools():

@@ -248,7 +248,9 @@ class TrajectorySampler:
         chunks: list[Trajectories] = []
         # compiled: the window steps run the training graph only where the trainer reuses their
         # log-probs; a run that recomputes them samples through the faster no-grad graph
-        through_training_graph = as_trained and self.log_probs_reused and adapter.trains_through_compiled_graph
+        through_training_graph = (
+            as_trained and self.log_probs_reused and adapter.trains_through_compiled_graph
+        )
         with self._progress_bar() as bar, torch.no_grad():
             task = bar.add_task(f"sampling step {step}", total=total * num_steps)
             for start in range(0, total, micro):

@@ -15,10 +15,10 @@ its number of calls, its wall seconds and the device work that ran for it, by ki
 `busy_fraction` is the share of the call's wall time during which some kernel ran; the rest,
 `idle_s`, is split by the length of each gap between kernels: under 50 us (back-to-back launches),
 50 us to 1 ms (the host dispatching slower than the GPU runs), over 1 ms (the host waiting:
-synchronisation, CPU work, a collective's peers, a reward). A
-kernel belongs to the call that started last before it: one worker's calls run one at a time on one
-thread, and a call's queued kernels may still run after it returns. On a CPU worker the same table
-counts the top-level torch operators' CPU time (a `linear` with the `addmm` inside it counts once).
+synchronisation, CPU work, a collective's peers, a reward). A kernel belongs to the call that
+started last before it: one worker's calls run one at a time on one thread, and a call's queued
+kernels may still run after it returns. On a CPU worker the same table counts the top-level torch
+operators' CPU time (a `linear` with the `addmm` inside it counts once).
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float
 
 def _idle_gaps(busy: list[tuple[float, float]], start: float, end: float) -> dict[str, float]:
     """Seconds of [start, end) with no kernel running, by gap length (`GAP_BUCKETS`)."""
-    out = dict.fromkeys((name for name, _ in GAP_BUCKETS), 0.0)
+    out = dict.fromkeys((gap for gap, _ in GAP_BUCKETS), 0.0)
     edges = [start, *(t for interval in busy for t in interval), end]
-    for gap_start, gap_end in zip(edges[::2], edges[1::2]):
+    for gap_start, gap_end in zip(edges[::2], edges[1::2], strict=True):
         gap = gap_end - gap_start
         if gap > 0:
             name = next(name for name, limit in GAP_BUCKETS if gap < limit)
@@ -128,7 +128,9 @@ def summarise_trace(trace: dict) -> dict[str, Any]:
     for event in events:
         event["ts"], event["dur"] = float(event["ts"]), float(event["dur"])
     calls = [
-        e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(CALL_PREFIX)
+        e
+        for e in events
+        if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(CALL_PREFIX)
     ]
     # a decorated method calling another (a hybrid worker's `sample` calling its sampler's) is one call
     calls = sorted(_outermost(calls), key=lambda e: e["ts"])
@@ -153,7 +155,7 @@ def summarise_trace(trace: dict) -> dict[str, Any]:
         else:
             owned[index].append(event)
     summary: dict[str, dict[str, Any]] = {}
-    for call, mine in zip(calls, owned):
+    for call, mine in zip(calls, owned, strict=True):
         name = call["name"][len(CALL_PREFIX) :]
         entry = summary.setdefault(
             name,
@@ -161,7 +163,7 @@ def summarise_trace(trace: dict) -> dict[str, Any]:
                 "calls": 0,
                 "wall_s": 0.0,
                 "busy_s": 0.0,
-                "idle_s": dict.fromkeys((name for name, _ in GAP_BUCKETS), 0.0),
+                "idle_s": dict.fromkeys((gap for gap, _ in GAP_BUCKETS), 0.0),
                 "kinds_s": dict.fromkeys(KINDS, 0.0),
                 "_top": {},
             },
@@ -171,8 +173,8 @@ def summarise_trace(trace: dict) -> dict[str, Any]:
         entry["calls"] += 1
         entry["wall_s"] += (end - call["ts"]) / 1e6
         entry["busy_s"] += sum(stop - start for start, stop in busy) / 1e6
-        for name, seconds in _idle_gaps(busy, call["ts"], end).items():
-            entry["idle_s"][name] += seconds
+        for gap, seconds in _idle_gaps(busy, call["ts"], end).items():
+            entry["idle_s"][gap] += seconds
         for event in mine:
             entry["kinds_s"][kinds[id(event)]] += event["dur"] / 1e6
             top = entry["_top"].setdefault(event["name"][:_NAME_CHARS], [0.0, 0])
@@ -199,7 +201,9 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
     for name, entry in sorted(summary["calls"].items(), key=lambda item: -item[1]["wall_s"]):
         work = sum(entry["kinds_s"].values())
         shares = ", ".join(
-            f"{kind} {entry['kinds_s'][kind] / work:.0%}" for kind in KINDS if work and entry["kinds_s"][kind] > 0
+            f"{kind} {entry['kinds_s'][kind] / work:.0%}"
+            for kind in KINDS
+            if work and entry["kinds_s"][kind] > 0
         )
         busy = f"{entry['busy_fraction']:.0%} busy" if entry["busy_fraction"] is not None else "-"
         idle = entry["idle_s"]
@@ -215,10 +219,6 @@ class StepProfiler:
 
     def __init__(self) -> None:
         self._profile: torch.profiler.profile | None = None
-
-    @property
-    def active(self) -> bool:
-        return self._profile is not None
 
     def start(self) -> None:
         if self._profile is not None:

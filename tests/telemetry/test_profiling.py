@@ -94,7 +94,10 @@ def test_idle_time_is_split_by_gap_length():
         # names as the H100/H200 traces of torch 2.11 print them
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matmul"),
         ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "matmul"),
-        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_64x1_tn_align8>", "matmul"),
+        (
+            "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_64x1_tn_align8>",
+            "matmul",
+        ),
         ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "matmul"),
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
@@ -109,7 +112,9 @@ def test_kernel_kinds(name, kind):
 
 
 def test_profile_steps_are_checked(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainer.profile_steps=\[0\] is invalid.*from 1 to trainer.total_steps"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.profile_steps=\[0\] is invalid.*from 1 to trainer.total_steps"
+    ):
         load_config("tiny_sd3", ["trainer.profile_steps=[0]"])
     with pytest.raises(ConfigError, match=r"trainer.profile_steps=\[3\] is invalid.*\(2\)"):
         load_config("tiny_sd3", ["trainer.total_steps=2", "trainer.profile_steps=[3]"])
