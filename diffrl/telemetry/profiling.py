@@ -9,7 +9,9 @@ its number of calls, its wall seconds and the device work that ran for it, by ki
     matmul      GEMMs and convolutions (cuBLAS, CUTLASS, cuDNN convolution kernels)
     attention   attention kernels (flash, cuDNN and memory-efficient SDPA)
     fused       kernels torch.compile generated (Triton): norms, activations, LoRA's small ops
-    other       every other kernel (torch's eager elementwise ops, reductions, copies, NCCL)
+    collective  NCCL's kernels (FSDP2's all-gathers and reduce-scatters, DDP's all-reduces), which
+                may run beside the compute on their own streams
+    other       every other kernel (torch's eager elementwise ops, reductions, copies)
     memory      memcpy and memset
 
 `busy_fraction` is the share of the call's wall time during which some kernel ran; the rest,
@@ -38,11 +40,12 @@ import torch
 #: Prefix of the profiler ranges `profiled_call` opens; a call's summary name is what follows it.
 CALL_PREFIX = "diffrl."
 
-KINDS = ("matmul", "attention", "fused", "other", "memory")
+KINDS = ("matmul", "attention", "fused", "collective", "other", "memory")
 
 # Lower-cased substrings of kernel names, tried in this order (attention before matmul: a flash
 # kernel's name can also say "mma").
 _GPU_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collective", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "conv", "fprop", "dgrad", "wgrad")),
     ("fused", ("triton",)),
