@@ -319,11 +319,10 @@ class TrainEngine:
                 continue
             weighted = loss.detach().double() * term.metric_weight  # the host's float64 math, in order
             loss_sum = (0.0 if loss_sum is None else loss_sum) + weighted  # 0.0 + -0.0 is 0.0, as before
-            sums["loss"] = 0.0  # its place in the metrics' order
             for key, value in metrics.items():
                 sums[key] += value * term.metric_weight
         if loss_sum is not None:
-            sums["loss"] = float(loss_sum)
+            sums = {"loss": float(loss_sum), **sums}  # first, as the metrics have always listed it
         return {key: value / metrics_divisor for key, value in sums.items()}
 
     def forward_backward(
