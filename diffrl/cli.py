@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,9 +64,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from diffrl.controller.run import train
+    from diffrl.telemetry.health import HealthStop
 
     source, overrides = _split_source(args.items)
-    run_dir = train(source, overrides)
+    try:
+        run_dir = train(source, overrides)
+    except HealthStop as stop:  # trainer.health.stop_on: checkpoint saved, weights exported
+        print(f"diffrl train: stopped: {stop}", file=sys.stderr)
+        return HealthStop.EXIT_STATUS
     print(f"run finished: {run_dir}")
     return 0
 
@@ -81,9 +87,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from diffrl.controller.sft import sft
+    from diffrl.telemetry.health import HealthStop
 
     source, overrides = _split_source(args.items)
-    run_dir = sft(source, overrides)
+    try:
+        run_dir = sft(source, overrides)
+    except HealthStop as stop:  # trainer.health.stop_on: checkpoint saved, model exported
+        print(f"diffrl sft: stopped: {stop}", file=sys.stderr)
+        return HealthStop.EXIT_STATUS
     print(f"run finished: {run_dir}")
     return 0
 
@@ -98,7 +109,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from diffrl.train.export import export_run
 
-    out = export_run(args.target, args.out, merge=args.merge, device=args.device)
+    out = export_run(args.target, args.out, merge=args.merge, device=args.device, best=args.best)
     print(out.describe())
     return 0
 
@@ -215,12 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(pipe.load_lora_weights(OUT), or diffrl sample --lora OUT); --merge, or a full fine-tuning run, "
         "gives a whole diffusers pipeline directory (DiffusionPipeline.from_pretrained(OUT)).",
     )
-    export.add_argument("target", help="RUN_DIR or RUN_DIR/checkpoints/step_N")
-    export.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    export.add_argument("target", help="RUN_DIR, RUN_DIR/checkpoints/step_N or RUN_DIR/checkpoints/best")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="output folder: a new one, or an earlier export, which is replaced once the new one is whole "
+        "(a run, its checkpoints or any other folder is refused)",
+    )
     export.add_argument(
         "--merge", action="store_true", help="merge the LoRA into the base model and write the whole pipeline"
     )
     export.add_argument("--device", default="cpu", help="where to load the model (default cpu)")
+    export.add_argument(
+        "--best",
+        action="store_true",
+        help="the run's best checkpoint, RUN/checkpoints/best (kept with trainer.keep_best=true), not its newest",
+    )
     export.set_defaults(func=cmd_export)
 
     presets = sub.add_parser("presets", help="list the built-in presets and how far each has been verified")
@@ -301,15 +322,21 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     return real.func(real)
 
 
-def _disk_full(error: BaseException) -> OSError | None:
-    """The full-disk OSError (ENOSPC, EDQUOT) `error` is or was raised from (a worker's error
-    carries its cause), or None."""
+def _disk_full(error: BaseException) -> tuple[str, str | None] | None:
+    """(the OS's message, the file) of the full-disk error (ENOSPC, EDQUOT) `error` is or was
+    raised from (a worker's error carries its cause), or None. Every diffrl write names its file
+    (`diffrl.files.naming`), so the first such error in the chain that names one is taken; the
+    file is None only for a write outside diffrl's own."""
+    from diffrl.files import os_errno
+
+    found = []
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return seen
+        code = os_errno(seen)
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            found.append((os.strerror(code), getattr(seen, "filename", None)))
         seen = seen.__cause__ or seen.__context__
-    return None
+    return next((item for item in found if item[1] is not None), found[0] if found else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -333,14 +360,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"diffrl {args.command}: error: {err}", file=sys.stderr)
         return 2
     except Exception as error:
-        err = _disk_full(error)
-        if err is None:
+        full = _disk_full(error)
+        if full is None:
             raise
+        strerror, filename = full
         # Every write diffrl makes is atomic (temporary file or folder, then a rename), so what was
         # published before stays whole: say so, and where the disk filled.
         print(
-            f"diffrl {args.command}: error: the disk is full ({err.strerror}) writing "
-            f"{err.filename or 'a file'}: nothing was half-written (files and checkpoints are written to "
+            f"diffrl {args.command}: error: the disk is full ({strerror}) writing "
+            f"{filename or 'a file'}: nothing was half-written (files and checkpoints are written to "
             "a temporary name and renamed when whole), so every checkpoint and metrics line already "
             "there is intact; free space on that file system, then resume (trainer.resume=auto) or rerun",
             file=sys.stderr,

@@ -14,6 +14,7 @@ diffrl's sampler. Against it:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from diffrl.models import load_model
 from diffrl.rollout.generate import generate
 from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
 from diffrl.train.engine import TrainEngine
+from diffrl.train.export_folder import LORA_FILE
 
 PROMPTS = ["a red circle", "two blue squares"]
 SAMPLE = dict(n=2, steps=4, guidance_scale=4.5, height=32, width=32, max_sequence_length=16, seed=3)
@@ -188,3 +190,84 @@ def test_export_of_something_that_is_not_a_run(tmp_path, tiny_model, capsys):
     (tmp_path / "run" / "config.yaml").write_text("{}\n")
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "o")]) == 2
     assert "has no complete checkpoint" in capsys.readouterr().err
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("run", ["sd3"], indirect=True)  # the folder rules do not depend on the family
+def test_export_out_replaces_only_an_earlier_export(run, tmp_path, capsys, monkeypatch):
+    """`--out` naming the run, its checkpoints, the folder of runs, a folder of the user's own files
+    or a file is refused with exit 2 naming it, and nothing anywhere changes; a new folder, `.` inside
+    an earlier export and the earlier export itself are written, the last replaced whole."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    run_dir = runs / "r"
+    shutil.copytree(run, run_dir, symlinks=True)  # a copy: a regression must not wipe the module's run
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("years of work")
+    (tmp_path / "a_file").write_text("a file")
+    before = _files(tmp_path)
+    for out in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step_00000001", runs):
+        assert main(["export", str(run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "which this export reads" in err and str(out) in err and "Traceback" not in err
+    for out, reason in (
+        (tmp_path / "mine", "not an earlier diffrl export"),
+        (tmp_path / "a_file", "is a file"),
+    ):
+        assert main(["export", str(run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and str(out) in err
+    assert _files(tmp_path) == before
+
+    from safetensors.torch import load_file
+
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "lora")]) == 0
+    first = {k: v.clone() for k, v in load_file(tmp_path / "lora" / LORA_FILE).items()}  # not mmapped
+    names = sorted(_files(tmp_path / "lora"))
+    (tmp_path / "lora" / LORA_FILE).unlink()  # so the replacement shows
+    (tmp_path / "lora" / LORA_FILE).write_bytes(b"stale")
+    monkeypatch.chdir(tmp_path / "lora")
+    assert main(["export", str(run_dir), "--out", "."]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert sorted(_files(tmp_path / "lora")) == names
+    again = load_file(tmp_path / "lora" / LORA_FILE)
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "lora", "mine", "runs"]
+
+
+@pytest.mark.parametrize("run", ["sd3"], indirect=True)
+def test_export_of_a_training_run_whose_newest_checkpoint_is_pruned_while_loading_takes_the_next(
+    run, tmp_path, capsys, monkeypatch
+):
+    """`diffrl export RUN` of a run still training: it picks step 1, and while it loads it the run
+    publishes step 2 and prunes step 1 (trainer.keep_checkpoints=1). The export loads step 2 instead
+    of failing, and its manifest names it."""
+    import shutil
+
+    from diffrl.train import checkpoint as checkpoint_module
+
+    # the fixture's run trained again, to step 2, in a folder of its own (keeps both checkpoints)
+    run_dir = train(str(run / "config.yaml"), ["trainer.total_steps=2", f"trainer.output_dir={tmp_path}"])
+    checkpoints = run_dir / "checkpoints"
+    step_1, step_2 = checkpoints / "step_00000001", checkpoints / "step_00000002"
+    saving = checkpoints / ".tmp-step_00000002"
+    step_2.rename(saving)  # step 2 still being written when the export looks
+    real_load, calls = checkpoint_module.load_checkpoint, []
+
+    def load_while_the_run_saves_and_prunes(path, **kwargs):
+        calls.append(Path(path).name)
+        if len(calls) == 1:
+            saving.rename(step_2)
+            shutil.rmtree(step_1)
+            raise FileNotFoundError(f"{path}/model: No such file or directory")
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", load_while_the_run_saves_and_prunes)
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "lora")]) == 0, capsys.readouterr().err
+    assert calls == ["step_00000001", "step_00000002"]
+    info = json.loads((tmp_path / "lora" / "diffrl_export.json").read_text())
+    assert info["checkpoint"] == str(step_2) and info["step"] == 2

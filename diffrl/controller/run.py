@@ -29,7 +29,7 @@ from diffrl.algos import (
     uses_old_adapter,
 )
 from diffrl.config import load_config, to_yaml
-from diffrl.config.history import record_config
+from diffrl.config.history import CONFIG_FILE, record_config
 from diffrl.config.loader import resolve_source
 from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
@@ -40,6 +40,8 @@ from diffrl.files import (
     naming,
     write_json,
 )
+from diffrl.telemetry.health import HealthStop
+from diffrl.train.best_checkpoint import best_checkpoint
 from diffrl.train.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from diffrl.train.export import export_final_weights
 from diffrl.workers.group import WorkerGroup
@@ -409,6 +411,15 @@ def _check_resume_target(cfg: Config, run_dir: Path) -> Path | None:
             f"{run_dir} already holds checkpoints and trainer.resume=off: choose another trainer.run_name, "
             "or trainer.resume=auto to continue it"
         )
+    if checkpoint is None and (run_dir / CONFIG_FILE).is_file():
+        # A start from step 0 would rewrite the run's records (metrics.jsonl, configs/step_00000000.yaml):
+        # the earlier start's settings and curves are all that is left of it.
+        raise ConfigError(
+            f"{run_dir} holds an earlier start of this run ({CONFIG_FILE}, its metrics and config history) "
+            f"but no checkpoint to resume from (trainer.resume={cfg.trainer.resume}): starting it over would "
+            "overwrite those records. Choose another trainer.run_name for a new run, resume a copy of a "
+            "checkpoint with trainer.resume=PATH, or move the folder away yourself to reuse its name"
+        )
     if checkpoint is not None:
         check_checkpoint(cfg, checkpoint, verified=cfg.trainer.resume == "auto")
         _check_not_past_total(cfg, checkpoint)
@@ -522,7 +533,11 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             )
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
         export_final_weights(j.workers.trainer, j.run_dir, cfg)
+        if cfg.trainer.keep_best and (best := best_checkpoint(j.run_dir / "checkpoints")) is not None:
+            export_final_weights(j.workers.trainer, j.run_dir, cfg, checkpoint=best)  # RUN/export_best
         print_report(j)
+    if trainer.stopped is not None:  # after the exports and the report: the run ended cleanly
+        raise HealthStop(trainer.stopped)
     return j.run_dir
 
 

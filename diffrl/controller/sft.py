@@ -40,6 +40,9 @@ from diffrl.files import check_output_dir, write_json
 from diffrl.models import edits_images, read_model_index
 from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
+from diffrl.telemetry.health import HealthStop
+from diffrl.train.export import publish_by_workers
+from diffrl.train.export_folder import write_manifest
 from diffrl.workers.roles import ImageShard
 
 
@@ -265,9 +268,17 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
             logger=j.logger,
         )
         summary = run_loop(trainer, j.checkpoint)
-        summary["model"] = j.workers.call("export_pipeline", str(j.run_dir / "model"))[0]
         grammar = "shapes" if cfg.sft.images == SHAPES else None  # trained on the shapes world's prompts
-        write_sampling_file(Path(summary["model"]), settings_of_run(cfg.rollout, grammar))
+
+        def write_info(staging: Path) -> None:
+            write_manifest(
+                staging, kind="pipeline", run=str(j.run_dir), step="final", base_model=cfg.model.path
+            )
+            write_sampling_file(staging, settings_of_run(cfg.rollout, grammar))
+
+        summary["model"] = str(
+            publish_by_workers(j.workers, j.run_dir / "model", "export_pipeline", write_info)
+        )
         write_json(j.run_dir / "summary.json", summary)
         model, prompt = str(summary["model"]), EXAMPLE_PROMPTS[grammar]
         images: list[str] = []
@@ -280,6 +291,8 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
         command += ["--out", str(j.run_dir / "samples")]
         print(f"model written to {model}\n  sample from it: {shlex.join(command)}")
         print_report(j)
+    if trainer.stopped is not None:  # trainer.health.stop_on, after the export and the report
+        raise HealthStop(trainer.stopped)
     return j.run_dir
 
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.data.images import ConditionImage, read_condition_image
-from diffrl.files import check_output_dir
+from diffrl.files import check_output_dir, naming
 from diffrl.models import adapter_class, load_model, read_model_index, resolve_model_path
 from diffrl.models.base import ModelAdapter
 from diffrl.models.bounds import check_model_bounds
@@ -50,7 +50,7 @@ def check_device(device: str) -> torch.device:
 def check_lora_dir(lora: str | Path) -> Path:
     """A directory that holds a LoRA in the diffusers format, or a FileNotFoundError/ValueError saying
     what it is instead and how to get one."""
-    from diffrl.train.export import LORA_FILE
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE as LORA_FILE  # save/load_lora_weights' file
 
     path = Path(lora)
     if not path.exists():
@@ -257,12 +257,13 @@ def generate(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    with open(out / "samples.jsonl", "w") as manifest:
+    with naming(out / "samples.jsonl"), open(out / "samples.jsonl", "w") as manifest:
         for b, (pixels, p) in enumerate(
             zip(rollout.samples.pixels, rollout.samples.prompt_index_B.tolist(), strict=True)
         ):
             path = out / f"{p:03d}_{b % n:02d}{'.gif' if adapter.is_video else '.png'}"
-            _save(pixels, path, fps)
+            with naming(path):
+                _save(pixels, path, fps)
             written.append(path)
             manifest.write(
                 json.dumps(

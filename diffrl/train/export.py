@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 import shlex
 import shutil
 from collections.abc import Callable, Iterator
@@ -39,6 +40,16 @@ from torch.distributed.tensor import DTensor
 from diffrl.files import check_output_dir, umask_mode
 from diffrl.models.sampling import EXAMPLE_PROMPTS, read_sampling_file, settings_of_run, write_sampling_file
 from diffrl.train.distributed import barrier, rank
+from diffrl.train.export_folder import (
+    LORA_FILE,
+    begin_staging,
+    check_export_target,
+    normalized,
+    publish,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- adapters
@@ -238,37 +249,26 @@ def export_pipeline(adapter, out_dir: str | Path, *, model_path: str | Path, mer
     The transformer goes through `export_full` (LoRA adapter `default` merged in when `merge`; it
     gathers FSDP shards, so call it on every rank); rank 0 writes the other components as loaded
     and the model directory's own model_index.json (`model_path`: `model.path`, `toy:`/`tiny:` names
-    included). Everything is written to `<out>.partial` and renamed at the end, so a crash never
-    leaves a half-written pipeline under `out`.
+    included). `out_dir` is a staging folder (`export_folder.begin_staging`): the caller publishes
+    it when whole, so a crash never leaves a half-written pipeline under the final name.
     """
     from diffrl.models import resolve_model_path
 
     out = Path(out_dir)
-    staging = out.with_name(out.name + ".partial")
-    if rank() == 0 and staging.exists():
-        shutil.rmtree(staging)
-    barrier()
-    export_full(adapter.transformer, staging / "transformer", merge=merge)
+    export_full(adapter.transformer, out / "transformer", merge=merge)
     if rank() == 0:
         for name, component in adapter.pipe.components.items():
             if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
-                component.save_pretrained(staging / name)
-        shutil.copy(resolve_model_path(model_path) / "model_index.json", staging / "model_index.json")
-        for file in staging.rglob("*"):
+                component.save_pretrained(out / name)
+        shutil.copy(resolve_model_path(model_path) / "model_index.json", out / "model_index.json")
+        for file in out.rglob("*"):
             if file.is_file():
                 umask_mode(file)  # safetensors files come out 0600; 0644 like every other file
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
     barrier()
     return out
 
 
 # ---------------------------------------------------------------------------------- runs
-EXPORT_INFO = "diffrl_export.json"  # what an export came from, next to the weights
-LORA_FILE = "pytorch_lora_weights.safetensors"  # the file diffusers' save/load_lora_weights use
-
-
 @dataclass(frozen=True)
 class ExportResult:
     out: Path
@@ -324,7 +324,7 @@ class ExportResult:
 def _write_info(out: Path, cfg, **info) -> None:
     """diffrl_export.json (what the export came from) and diffrl_sampling.json (the run's validation
     sampler, which `diffrl sample` takes its defaults from), next to the weights."""
-    (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    write_manifest(out, **info)
     write_sampling_file(out, settings_of_run(cfg.rollout, _prompt_grammar(cfg.model.path)))
 
 
@@ -339,12 +339,24 @@ def _example_prompt(model_path: str) -> str:
     return EXAMPLE_PROMPTS[_prompt_grammar(model_path)]
 
 
-def resolve_run_checkpoint(target: str | Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint) of TARGET: a run directory (its newest complete checkpoint) or
-    one of its checkpoints (RUN/checkpoints/step_N)."""
+def resolve_run_checkpoint(target: str | Path, best: bool = False) -> tuple[Path, Path]:
+    """(run directory, checkpoint) of TARGET: a run directory (its newest complete checkpoint; with
+    `best`, its best one, RUN/checkpoints/best: trainer.keep_best) or one of its checkpoints
+    (RUN/checkpoints/step_N, RUN/checkpoints/best)."""
+    from diffrl.train.best_checkpoint import best_checkpoint
     from diffrl.train.checkpoint import latest_checkpoint
 
     path = Path(target)
+    if best:
+        if not (path / "config.yaml").is_file():
+            raise ValueError(f"--best takes a run directory (with config.yaml), not {target}")
+        checkpoint = best_checkpoint(path / "checkpoints")
+        if checkpoint is None:
+            raise FileNotFoundError(
+                f"run {path} kept no best checkpoint ({path / 'checkpoints' / 'best'}): runs keep one with "
+                "trainer.keep_best=true; export its newest checkpoint without --best"
+            )
+        return path, checkpoint
     if (path / "config.yaml").is_file():
         checkpoint = latest_checkpoint(path / "checkpoints")
         if checkpoint is None:
@@ -367,24 +379,65 @@ def resolve_run_checkpoint(target: str | Path) -> tuple[Path, Path]:
     )
 
 
+def _load_newest(engine, target: str | Path, run_dir: Path, checkpoint: Path) -> tuple[Path, dict]:
+    """Load `checkpoint` into the engine; when TARGET is a run that is still training, its newest
+    checkpoint may be pruned (trainer.keep_checkpoints) while it loads: then the one that replaced it is
+    loaded instead, a few times at most."""
+    from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    for _ in range(_LOAD_ATTEMPTS):
+        try:
+            extra = load_checkpoint(
+                checkpoint,
+                model=engine.transformer,
+                optimizer=None,
+                scheduler=None,
+                trainable_only=engine.lora,
+                restore_rng=False,
+            )
+            return checkpoint, extra
+        except (OSError, ValueError):
+            if checkpoint.exists() or normalized(target) != normalized(run_dir):
+                raise
+            newer = latest_checkpoint(run_dir / "checkpoints")
+            if newer is None:
+                raise
+            log.info(
+                "checkpoint %s was removed while loading (the run is training): exporting %s",
+                checkpoint,
+                newer,
+            )
+            checkpoint = newer
+    raise ValueError(
+        f"run {str(run_dir)!r} replaced its newest checkpoint {_LOAD_ATTEMPTS} times while it was being "
+        "loaded: export one that stays, e.g. diffrl export RUN/checkpoints/step_N after the run ends, or "
+        "raise trainer.keep_checkpoints"
+    )
+
+
+_LOAD_ATTEMPTS = 3
+
+
 def export_run(
-    target: str | Path, out_dir: str | Path, *, merge: bool = False, device: str = "cpu"
+    target: str | Path, out_dir: str | Path, *, merge: bool = False, device: str = "cpu", best: bool = False
 ) -> ExportResult:
     """`diffrl export`: the trained weights of a run or checkpoint, in one process (no Ray).
 
     The model is built as the run's training engine builds it (same LoRA adapters, names and
     initialisation seed), the checkpoint's weights are loaded into it (no optimizer state, no RNG),
     and then: a LoRA run writes its `default` adapter in the diffusers LoRA format (`export_lora`);
-    with `merge`, or for a full fine-tuning run, the whole pipeline (`export_pipeline`).
+    with `merge`, or for a full fine-tuning run, the whole pipeline (`export_pipeline`). OUT may be
+    new or an earlier export, never the run, its checkpoints or any other folder
+    (`export_folder.check_export_target`); the export replaces it only when whole. `best`: the
+    run's best checkpoint (`resolve_run_checkpoint`).
     """
     from diffrl.config import load_config
     from diffrl.controller.run import worker_options
     from diffrl.models import load_model
-    from diffrl.train.checkpoint import load_checkpoint
     from diffrl.train.engine import TrainEngine
 
-    run_dir, checkpoint = resolve_run_checkpoint(target)
-    out = Path(out_dir)
+    run_dir, checkpoint = resolve_run_checkpoint(target, best=best)
+    out = check_export_target(out_dir, protected=(run_dir, checkpoint))
     check_output_dir(out, "--out")
     check_output_dir(out.parent, "--out's parent (OUT.partial is written there, then renamed)")
     cfg = load_config(str(run_dir / "config.yaml"), job="eval")
@@ -399,65 +452,64 @@ def export_run(
         with_reference=False,  # a frozen copy is for training only
         seed=cfg.trainer.seed,
     )
-    extra = load_checkpoint(
-        checkpoint,
-        model=engine.transformer,
-        optimizer=None,
-        scheduler=None,
-        trainable_only=engine.lora,
-        restore_rng=False,
-    )
+    # the best checkpoint is that one or none: never the newest in its place
+    checkpoint, extra = _load_newest(engine, checkpoint if best else target, run_dir, checkpoint)
     info = {
         "run": str(run_dir),
         "checkpoint": str(checkpoint),
         "step": extra.get("step"),
         "base_model": cfg.model.path,
     }
-    if engine.lora and not merge:
-        staging = out.with_name(out.name + ".partial")
-        if staging.exists():
-            shutil.rmtree(staging)
+    if "best" in extra:  # RUN/checkpoints/best: which validation made it the best
+        info["best"] = extra["best"]
+    kind = "lora" if engine.lora and not merge else "pipeline"
+    staging = begin_staging(out)
+    if kind == "lora":
         engine.export_lora(staging)
         _write_info(staging, cfg, kind="lora", **info)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-        return ExportResult(out, "lora", str(checkpoint), cfg.model.path, _example_prompt(cfg.model.path))
-    export_pipeline(adapter, out, model_path=cfg.model.path, merge=engine.lora)
-    _write_info(out, cfg, kind="pipeline", merged=engine.lora, **info)
-    return ExportResult(out, "pipeline", str(checkpoint), cfg.model.path, _example_prompt(cfg.model.path))
+    else:
+        export_pipeline(adapter, staging, model_path=cfg.model.path, merge=engine.lora)
+        _write_info(staging, cfg, kind="pipeline", merged=engine.lora, **info)
+    publish(staging, out)
+    return ExportResult(out, kind, str(checkpoint), cfg.model.path, _example_prompt(cfg.model.path))
 
 
-def export_final_weights(workers, run_dir: str | Path, cfg) -> ExportResult:
+def publish_by_workers(workers, out: str | Path, method: str, write_info: Callable[[Path], None]) -> Path:
+    """The workers' export (`method`: export_lora or export_pipeline; every rank takes part, since
+    gathering FSDP shards is a collective) written into a staging folder beside `out`, completed by
+    `write_info(staging)` in this process, then published as `out` (which must be new or an
+    earlier export)."""
+    out = check_export_target(out, what="the export folder")
+    staging = begin_staging(out)
+    workers.call(method, str(staging))
+    write_info(staging)
+    return publish(staging, out)
+
+
+def export_final_weights(workers, run_dir: str | Path, cfg, checkpoint: Path | None = None) -> ExportResult:
     """End of `diffrl train`: the trained weights to RUN/export, by the workers that hold them.
 
     LoRA: the `default` adapter in the diffusers LoRA format; full fine-tuning: the whole pipeline.
-    The workers write into RUN/export.partial (every rank takes part: gathering FSDP shards is a
-    collective) and it replaces RUN/export when they are done. Prints where it went.
+    Published as `publish_by_workers` does: RUN/export is replaced only when the new one is whole.
+    Prints where it went. With `checkpoint` (the run's best, trainer.keep_best) the workers load its
+    weights first and the export goes to RUN/export_best, its manifest naming the checkpoint, its
+    step and its score.
     """
-    lora = cfg.model.lora.rank > 0
-    out = Path(run_dir) / "export"
-    staging = out.with_name(out.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    workers.call("export_lora" if lora else "export_pipeline", str(staging))
-    _write_info(
-        staging,
-        cfg,
-        kind="lora" if lora else "pipeline",
-        run=str(run_dir),
-        step="final",
-        base_model=cfg.model.path,
+    kind = "lora" if cfg.model.lora.rank > 0 else "pipeline"
+    name, info, source = "export", {"step": "final"}, f"run {run_dir} (its final weights)"
+    if checkpoint is not None:
+        extra = workers.call("load", str(checkpoint))[0]
+        name, info = "export_best", {"step": extra["step"], "checkpoint": str(checkpoint)}
+        info.update({"best": extra["best"]} if "best" in extra else {})
+        source = f"{checkpoint} (step {extra['step']}, the run's best validation)"
+    out = publish_by_workers(
+        workers,
+        Path(run_dir) / name,
+        f"export_{kind}",
+        lambda staging: _write_info(
+            staging, cfg, kind=kind, run=str(run_dir), base_model=cfg.model.path, **info
+        ),
     )
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
-    result = ExportResult(
-        out,
-        "lora" if lora else "pipeline",
-        f"run {run_dir} (its final weights)",
-        cfg.model.path,
-        _example_prompt(cfg.model.path),
-    )
+    result = ExportResult(out, kind, source, cfg.model.path, _example_prompt(cfg.model.path))
     print(result.describe())
     return result

@@ -121,3 +121,32 @@ def test_a_long_training_step_prints_progress_lines(runs):
     heartbeat = [line for line in lines if line.startswith("step 1: ")]
     assert any("elapsed" in line for line in heartbeat) and heartbeat[-1].startswith("step 1: done in"), lines
     assert lines.index(heartbeat[-1]) < next(i for i, line in enumerate(lines) if line.startswith("step 1/1"))
+
+
+def _tree(folder):
+    """Every file under `folder` with its bytes: what a refused start must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("resume", ["auto", "off"])
+def test_a_start_over_a_run_whose_checkpoints_are_gone_is_refused_and_keeps_its_records(
+    runs, tmp_path, resume
+):
+    """A run folder with a history (config.yaml, metrics.jsonl, configs/) but no checkpoint left:
+    starting it from step 0 again would truncate its metrics and overwrite configs/step_00000000.yaml,
+    the only record of its first settings. The start is refused, naming the folder, and changes nothing.
+    (total_steps=5: a run that had not finished; a finished one is reported as such and left alone.)"""
+    import shutil
+
+    from diffrl.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs[0], run_dir, symlinks=True)
+    shutil.copy(runs[0].parent / "val.jsonl", tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    before = _tree(run_dir)
+    assert "metrics.jsonl" in before and "configs/step_00000000.yaml" in before
+    with pytest.raises(ConfigError, match="no checkpoint to resume from") as err:
+        _run(tmp_path, [f"trainer.resume={resume}", "trainer.total_steps=5"])
+    assert str(run_dir) in str(err.value) and "another trainer.run_name" in str(err.value)
+    assert _tree(run_dir) == before
