@@ -86,13 +86,14 @@ def check_export_target(
     `protected` folders (the run being exported, its checkpoint) nor a folder that holds one.
     """
     out = normalized(out)
+    protected = [normalized(folder) for folder in protected]
     for folder in protected:
-        folder = normalized(folder)
         if out == folder or out in folder.parents:
             role = "is" if out == folder else "holds"
             raise ValueError(
                 f"{what} {str(out)!r} {role} {str(folder)!r}, which this export reads: an export replaces "
-                f"its folder, so that would delete it. Give a new folder, e.g. {what} {folder.parent / 'my_export'}"
+                f"its folder, so that would delete it. Give a new folder, e.g. {what} "
+                f"{protected[0].with_name(protected[0].name + '_export')}"
             )
     if os.path.islink(out):
         raise ValueError(f"{what} {str(out)!r} is a symbolic link: give the folder itself or a new path")
