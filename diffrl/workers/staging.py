@@ -8,9 +8,7 @@ steps: about 5 MB per trajectory). They never pass through the controller:
   object store, serialised and deserialised). In process the object itself travels.
 - kept (`LocalStore.keep`): colocated, when the mini-batch schedule deals every rank the groups
   it sampled itself (diffrl.controller.minibatches), the producer keeps the object and returns a
-  `Kept` marker, which the controller hands back to the same rank: no copy at all. On 4 H100s
-  handing the Flow-GRPO recipe's trajectories to every rank made its generation phase 53% slower
-  per image than on one GPU; kept, 6% (docs/performance.md, "Several GPUs").
+  `Kept` marker, which the controller hands back to the same rank: no copy at all.
 
 `StagedRows` is what a rank holds of one step: the contiguous rows [first, first + len) of the
 step's rollout (all of them when trajectories are handed over), addressed by the step's row
