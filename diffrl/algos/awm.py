@@ -25,7 +25,7 @@ their own target as in pretraining, low-advantage ones pushed away. The ratio/cl
 when the anchor is an older policy (off-policy reuse).
 
 `cfg.awm_weighting` chooses w and φ (the reference's `weighting`):
-    uniform    w = 1,   φ(e) = e            (ALGORITHMS.md's form)
+    uniform    w = 1,   φ(e) = e            (docs/algorithms.md's form)
     sigma      w = σ,   φ(e) = e
     sigma_sq   w = σ²,  φ(e) = e
     ghuber     w = σ,   φ(e) = ((e + δ)^p − δ^p)/p,  δ = 1e-10, p = cfg.awm_ghuber_power

@@ -2,7 +2,7 @@
 
 References: Wallace et al., "Diffusion Model Alignment Using Direct Preference Optimization"
 (arXiv 2311.12908) and diffusers' DPO training script; VeRL-Omni's `dpo` loss mode (velocity form);
-ALGORITHMS.md ("dpo").
+docs/algorithms.md ("dpo").
 
 For P pairs of clean samples of one prompt, a preferred (chosen, w) and a dispreferred
 (rejected, l) one, each pair shares one noise ε and one noise level t:

@@ -1,7 +1,7 @@
 """Flow-DPPO: a divergence trust region on the SDE means instead of PPO's ratio clip.
 
 References: Flow-DPPO (arXiv 2606.11025; UniRL's `flowdppo`), VeRL-Omni's `flow_dppo` loss mode,
-ALGORITHMS.md ("flow_dppo").
+docs/algorithms.md ("flow_dppo").
 
 For one window step of a micro-batch of B samples (all per-sample quantities (B,)):
 

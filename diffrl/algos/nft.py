@@ -2,7 +2,7 @@
 
 References: Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"
 (arXiv 2509.16117) and its code (NVlabs/DiffusionNFT, `train_nft_sd3.py`); VeRL-Omni's
-`diffusion_nft` loss mode; ALGORITHMS.md ("diffusion_nft", "Old policy").
+`diffusion_nft` loss mode; docs/algorithms.md ("diffusion_nft", "Old policy").
 
 Instead of scoring SDE transitions, NFT trains on the clean rollout samples x₀ with a
 flow-matching-style loss. Each sample gets an optimality probability r from its advantage, and

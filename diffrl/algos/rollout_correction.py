@@ -2,7 +2,7 @@
 
 References: verl's rollout correction (`verl/trainer/ppo/rollout_corr_helper.py`: TIS / IcePop
 importance sampling, k1/k2/k3 rejection, off-policy diagnostics), VeRL-Omni's diffusion
-adaptation (no padding: every window step is valid; a rejection is a 0 weight), ALGORITHMS.md
+adaptation (no padding: every window step is valid; a rejection is a 0 weight), docs/algorithms.md
 ("Rollout correction").
 
 The trainer's old policy (weights θ_old, recomputed in fp32) and the sampler that drew the

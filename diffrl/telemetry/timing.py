@@ -12,7 +12,7 @@ Metrics (seconds of wall time; `images` = trajectories of the step, all GPUs tog
     timing_s/step                      wall seconds since reset() (phases, and the work between them)
     throughput/images_per_s_per_gpu    images / (timing_s/step × gpus)
 
-Phase names are lower_snake_case; the trainer's are `PHASES` (ALGORITHMS.md). Phases may nest
+Phase names are lower_snake_case; the trainer's are `PHASES` (docs/algorithms.md). Phases may nest
 (then their times overlap); the same phase may not be entered inside itself.
 """
 
