@@ -24,6 +24,7 @@ from diffrl.config.checks import ConfigError, require, require_choice
 from diffrl.config.sections.actor import ActorConfig, LossConfig, OptimConfig
 from diffrl.config.sections.algorithm import AlgorithmConfig, OldPolicyConfig, RolloutCorrectionConfig
 from diffrl.config.sections.data import DataConfig
+from diffrl.config.sections.health import HealthConfig
 from diffrl.config.sections.model import LoraConfig, ModelConfig
 from diffrl.config.sections.reward import RewardConfig, RewardFnConfig
 from diffrl.config.sections.rollout import PipelineConfig, RolloutConfig, SdeConfig, ValidationConfig
@@ -37,6 +38,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "HealthConfig",
     "LoraConfig",
     "LossConfig",
     "ModelConfig",

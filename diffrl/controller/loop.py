@@ -10,6 +10,14 @@ metrics). `fit()` then runs the schedule the config describes:
 
 The record comes first so that a checkpoint never covers a step missing from metrics.jsonl.
 
+Each step's metrics and each validation's also go to the run-health watchdog
+(diffrl.telemetry.health), whose `health/...` values join the step's record. A signal in
+trainer.health.stop_on ends the run after that step's record, with a checkpoint of the step
+(`stopped` says why; `diffrl train` exits with status 3). With trainer.keep_best, a validation
+that beats every earlier one on trainer.best_metric also saves its step as RUN/checkpoints/best
+(diffrl.train.best_checkpoint). In the async modes that checkpoint's data position is past the
+batches in flight at its step, so resuming from it skips their prompts.
+
 A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
 run continues exactly where the interrupted one would have been.
 
@@ -41,12 +49,16 @@ from diffrl.data import PromptRecord, PromptSampler
 from diffrl.files import write_json
 from diffrl.telemetry import PhaseTimer, RunLogger
 from diffrl.telemetry.console import progress
+from diffrl.telemetry.health import NONFINITE_WATCHED, Watchdog, staleness_bound, validation_score_key
 from diffrl.telemetry.profiling import format_summary
+from diffrl.telemetry.sinks import read_metrics
+from diffrl.train.best_checkpoint import BestTracker, publish_best, staging_root
+from diffrl.train.checkpoint_files import step_dir
 from diffrl.train.engine import POLICY
 from diffrl.workers.group import WorkerGroup
 
 # What a step's update depends on, in the order data flows: the first non-finite one is named.
-WATCHED_METRICS = ("rewards/mean", "advantages/mean", "actor/loss", "actor/grad_norm")
+WATCHED_METRICS = NONFINITE_WATCHED
 
 
 class NonFiniteError(ValueError):
@@ -121,6 +133,14 @@ class TrainingLoop:
         )
         # this start's record for summary.json (`run_stats`)
         self.wall_s, self.steps_this_start, self.peaks = 0.0, 0, {}
+        # the run-health watchdog (trainer.health) and, with trainer.keep_best, the best validation
+        trainer = cfg.trainer
+        self.health = Watchdog(
+            trainer.health,
+            staleness_bound=staleness_bound(trainer.async_mode, trainer.max_staleness, trainer.health),
+        )
+        self.best = BestTracker(run_dir / "checkpoints") if trainer.keep_best else None
+        self.stopped: str | None = None  # why the watchdog stopped the run (trainer.health.stop_on)
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -136,6 +156,8 @@ class TrainingLoop:
         self.sampler.load_state_dict(extra["data"])
         # the replicas' first sync (every tensor), logged with the first step after the resume
         self.resume_sync_metrics = self.placement.sync_weights(self.step, full=True)
+        if (self.run_dir / "metrics.jsonl").is_file():  # the watchdog's view of the steps before
+            self.health.replay(read_metrics(self.run_dir / "metrics.jsonl"), up_to=self.step)
         print(f"resumed from {checkpoint} at step {self.step}")
 
     # ------------------------------------------------------------------------------ sampling
@@ -259,7 +281,9 @@ class TrainingLoop:
         started = time.perf_counter()
         if self.step == 0 and cfg.val_before_train and cfg.test_freq > 0 and self.val_records:
             last_val = self.validate()
+            last_val.update(self.health.observe_validation(0, last_val))
             self.logger.log(0, last_val)
+            self.keep_if_best(last_val)
         first_step = self.step + 1
         while self.step < cfg.total_steps:
             self.step += 1
@@ -278,25 +302,40 @@ class TrainingLoop:
                 metrics = self.train_step()
             if profiling:
                 self.stop_profiles()
-            self.check_finite(metrics)
+            metrics.update(self.health.observe_step(self.step, metrics))
+            if self.health.stop_reason is None:  # a watchdog stop ends the run cleanly below
+                self.check_finite(metrics)
             last_step = self.step == cfg.total_steps
-            if cfg.test_freq and self.val_records and (self.step % cfg.test_freq == 0 or last_step):
+            validated = bool(
+                cfg.test_freq and self.val_records and (self.step % cfg.test_freq == 0 or last_step)
+            )
+            if validated:
                 with self.timer.phase("validation"):
                     last_val = self.validate()
                 metrics.update(last_val)
+                metrics.update(self.health.observe_validation(self.step, last_val))
             metrics.update(self.timer.metrics(0, 1, only=("validation",)))
             # The step's record is durable (fsync'ed) before its checkpoint is published: a run
             # killed between the two resumes from the previous checkpoint and logs this step again
             # (its new record replaces this one), so every step a checkpoint covers is logged.
             self.logger.log(self.step, metrics)
-            if last_step or (cfg.save_freq and self.step % cfg.save_freq == 0):
+            stopping = self.health.stop_reason is not None  # stops with a checkpoint of this step
+            saving = last_step or stopping or bool(cfg.save_freq and self.step % cfg.save_freq == 0)
+            if saving:
                 with self.timer.phase("checkpoint"), progress(f"checkpoint of step {self.step}"):
                     self.save()
+            if (validated and self.keep_if_best(last_val)) or saving:
                 self.logger.log_more(self.step, self.timer.metrics(0, 1, only=("checkpoint",)))
             self.steps_this_start += 1
             for name, key in self.PEAKS.items():
                 if math.isfinite(metrics.get(key, math.nan)):
                     self.peaks[name] = max(self.peaks.get(name, 0.0), metrics[key])
+            if stopping:
+                self.stopped = (
+                    f"{self.health.stop_reason}. The run stopped with its checkpoint "
+                    f"{step_dir(self.run_dir / 'checkpoints', self.step)}"
+                )
+                break
         self.wall_s = time.perf_counter() - started
         return last_val
 
@@ -354,8 +393,7 @@ class TrainingLoop:
             return
         self.nonfinite_steps += 1
         limit = self.cfg.trainer.max_nonfinite_steps
-        key, value = bad[0]
-        print(f"warning: step {self.step}: {key}={value} is not finite; the update was skipped")
+        key, value = bad[0]  # the watchdog warned at the first such step (nonfinite_grad)
         if self.nonfinite_steps >= limit:
             raise NonFiniteError(
                 f"step {self.step}: {key}={value} (and {[k for k, _ in bad[1:]] or 'nothing else'} non-finite); "
@@ -369,6 +407,28 @@ class TrainingLoop:
         self.workers.call(
             "save", str(self.run_dir / "checkpoints"), self.step, extra, self.cfg.trainer.keep_checkpoints
         )
+
+    def keep_if_best(self, validation: dict[str, float]) -> bool:
+        """trainer.keep_best: when `validation` is the best so far on trainer.best_metric, save this
+        step's checkpoint as RUN/checkpoints/best (diffrl.train.best_checkpoint); whether it did."""
+        if self.best is None:
+            return False
+        metric = self.cfg.trainer.best_metric
+        metric = validation_score_key(validation) if metric == "auto" else metric
+        score = self.best.beaten_by(validation, metric)
+        if score is None:
+            return False
+        root = self.run_dir / "checkpoints"
+        extra = {
+            "step": self.step,
+            "data": self.data_position(),
+            "best": {"metric": metric, "score": score, "step": self.step},
+        }
+        with self.timer.phase("checkpoint"), progress(f"best checkpoint of step {self.step}"):
+            staged = self.workers.call("save", str(staging_root(root)), self.step, extra, 1)[0]
+            publish_best(root, staged)
+        self.best.kept(metric, score, self.step)
+        return True
 
     def validate(self) -> dict[str, float]:
         """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid.
@@ -396,12 +456,19 @@ class TrainingLoop:
 
     def summary(self, final_validation: dict[str, float]) -> dict[str, Any]:
         """What summary.json records at the end of the run."""
-        return {
+        summary = {
             "steps": self.step,
             **self.run_stats(),
             "validation_step": self.last_validation_step,
             "validation": final_validation,
+            "health": self.health.first_onsets(),  # {signal: the step it started}
         }
+        if self.best is not None and self.best.record is not None:
+            record = self.best.record
+            summary["best"] = {"metric": record.metric, "score": record.score, "step": record.step}
+        if self.stopped is not None:
+            summary["stopped"] = self.stopped
+        return summary
 
 
 __all__ = ["NonFiniteError", "TrainingLoop"]

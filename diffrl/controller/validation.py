@@ -3,7 +3,8 @@
 ODE samples of the validation prompts with the fixed validation seed, scored by the configured
 rewards: overall reward metrics, the reward mean and every scalar reward extra (the shapes
 verifier's `accuracy`, an OCR distance, ...) per data source, `val/accuracy` (the mean over data
-sources of their accuracy, when the rewards report one), and an image grid. The same seeds at
+sources of their accuracy, when the rewards report one), their standard errors
+(`val/rewards/mean_se`, `val/accuracy_se`: `standard_errors`), and an image grid. The same seeds at
 every call, so the grids of two validations of a run show the same prompts from the same noise.
 Videos: the grid shows each sample's first frame, and every sample is also written as a GIF under
 `validation/step_XXXXXX/` with an `index.html` that plays them (docs/video.md).
@@ -80,6 +81,11 @@ def run_validation(
         for key, value in scalar_extras.items():
             metrics[f"val/{source}/{key.rsplit('/', 1)[-1]}"] = float(value[mask].float().nanmean())
     add_accuracy(metrics)
+    accuracy_B = next(
+        (value for key, value in reversed(scalar_extras.items()) if key.rsplit("/", 1)[-1] == "accuracy"),
+        None,
+    )
+    metrics.update(standard_errors(scores.total_B, sources, accuracy_B))
     pixels = rollout.samples.pixels
     rows = validation_samples(rollout.sample_prompts(), sources, scores.total_B, scalar_extras)
     folder = Path(out_dir) / "validation"
@@ -96,6 +102,36 @@ def run_validation(
             captions = [f"{row['prompt']} (reward {row['reward']:.3f})" for row in rows]
             logger.log_videos(step, "val/videos", list(zip(videos, captions, strict=True)))
     return metrics
+
+
+def standard_errors(
+    total_B: torch.Tensor, sources: Sequence[str], accuracy_B: torch.Tensor | None
+) -> dict[str, float]:
+    """The standard errors of `val/rewards/mean` and `val/accuracy`, with the sample as the unit:
+    `val/rewards/mean_se` = std(rewards, ddof=1) / sqrt(B), and `val/accuracy_se` = sqrt(sum over
+    data sources of var_c / n_c) / C, the error of the mean over C sources of each source's mean
+    verdict (its NaN verdicts left out, as in `val/<source>/accuracy`). A metric is left out when a
+    sample count is below 2 (no variance to estimate).
+
+    The samples of one prompt are correlated, so this understates one validation's error; but every
+    validation of a run samples the same prompts from the same noise, so the difference between two
+    of them varies less than two independent ones would: used unpaired (the run-health watchdog,
+    `diffrl.telemetry.health`), it is a conservative yardstick for a change between validations."""
+    out = {}
+    total64_B = total_B.detach().double().cpu()
+    if total64_B.numel() >= 2:
+        out["val/rewards/mean_se"] = float(total64_B.std() / math.sqrt(total64_B.numel()))
+    if accuracy_B is not None:
+        accuracy64_B = accuracy_B.detach().double().cpu()
+        variances = []
+        for source in sorted(set(sources)):
+            verdicts = accuracy64_B[torch.tensor([s == source for s in sources])]
+            verdicts = verdicts[~verdicts.isnan()]
+            if verdicts.numel() < 2:
+                return out
+            variances.append(float(verdicts.var()) / verdicts.numel())
+        out["val/accuracy_se"] = math.sqrt(sum(variances)) / len(variances)
+    return out
 
 
 def condition_pixels(records: Sequence[PromptRecord], n: int, pixels: torch.Tensor) -> torch.Tensor | None:
@@ -118,4 +154,4 @@ def condition_pixels(records: Sequence[PromptRecord], n: int, pixels: torch.Tens
     return torch.stack([loaded[r.images[0].key] for r in records for _ in range(n)])
 
 
-__all__ = ["condition_pixels", "run_validation"]
+__all__ = ["condition_pixels", "run_validation", "standard_errors"]

@@ -11,6 +11,7 @@ from diffrl.config.checks import (
     require_positive,
     require_ray_resources,
 )
+from diffrl.config.sections.health import HealthConfig
 
 
 @dataclass
@@ -23,6 +24,10 @@ class TrainerConfig:
     run_name: str | None = None  # null = "<preset>-<timestamp>"; a folder name, no path
     resume: str = "auto"  # auto: newest complete checkpoint of the run; off; or a checkpoint path
     keep_checkpoints: int = 3  # the newest K are kept
+    # also keep RUN/checkpoints/best (the best validation's checkpoint) and export it to RUN/export_best
+    keep_best: bool = False
+    # the validation metric keep_best maximises; auto = val/accuracy when logged, else val/rewards/mean
+    best_metric: str = "auto"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     n_gpus_per_node: int = 1  # workers per node (CPU workers when there is no GPU)
     nnodes: int = 1
@@ -46,6 +51,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
     # steps run under torch.profiler: each worker's trace and a summary in <run>/profile/step_<N>/
     profile_steps: list[int] = field(default_factory=list)
+    health: HealthConfig = field(default_factory=HealthConfig)  # the run-health watchdog
 
     LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
     PLACEMENTS = ("colocated", "separate")
@@ -65,6 +71,19 @@ class TrainerConfig:
         require_at_least(f"{at}.test_freq", self.test_freq, 0)
         require(bool(self.resume), f"{at}.resume", self.resume, "must be auto, off, or a checkpoint path")
         require_at_least(f"{at}.keep_checkpoints", self.keep_checkpoints, 1)
+        require(
+            not self.keep_best or self.test_freq > 0,
+            f"{at}.keep_best",
+            self.keep_best,
+            "needs validations to choose the best checkpoint: set trainer.test_freq > 0, or keep_best=false",
+        )
+        require(
+            self.best_metric == "auto" or self.best_metric.startswith("val/"),
+            f"{at}.best_metric",
+            self.best_metric,
+            "must be auto or a validation metric (val/..., e.g. val/accuracy or val/rewards/mean; higher is better)",
+        )
+        self.health.validate(f"{at}.health")
         for logger in self.loggers:
             require_choice(f"{at}.loggers", logger, self.LOGGERS)
         require_at_least(f"{at}.n_gpus_per_node", self.n_gpus_per_node, 1)
