@@ -109,9 +109,25 @@ def test_sft_lowers_the_loss_and_exports_a_model_that_evaluates_like_its_checkpo
     assert from_checkpoint["val/rewards/mean"] == pytest.approx(metrics[12]["val/rewards/mean"], abs=1e-6)
     assert (tmp_path / "eval_ckpt" / "eval.json").is_file()
     assert (tmp_path / "eval_model" / "validation").is_dir()
-    # The default preset adds the shapes reward; compare the JPEG reward the run validated with.
+    # The exported transformer holds the final checkpoint's weights, bit for bit.
+    from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    saved = load_model("tiny:toy", "float32")
+    load_checkpoint(
+        latest_checkpoint(run_dir / "checkpoints"),
+        model=saved.transformer,
+        optimizer=None,
+        scheduler=None,
+        trainable_only=False,
+        restore_rng=False,
+    )
+    for name, param in saved.transformer.named_parameters():
+        assert torch.equal(param, trained_w[name]), name
+    # The default preset adds the shapes reward; compare the JPEG reward the run validated with. The
+    # two models are loaded apart, and where CPU kernels pick another path for them (seen on one
+    # thread) the images differ in their last bits, which can move a JPEG's size by a few bytes.
     key = "val/rewards/jpeg_compressibility/mean"
-    assert from_model[key] == pytest.approx(from_checkpoint[key], abs=1e-6)
+    assert from_model[key] == pytest.approx(from_checkpoint[key], abs=1e-3)
 
 
 def test_sft_rejects_bad_data_before_starting(tmp_path, data):
