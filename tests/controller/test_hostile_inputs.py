@@ -207,11 +207,14 @@ def no_model_loads(monkeypatch, no_workers):
 @pytest.mark.parametrize("command", ["train", "sft", "export", "eval", "sample"])
 @pytest.mark.parametrize("place", ["read_only", "a_file", "under_a_file"])
 def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
-    tmp_path, capsys, read_only_dir, finished_run, tiny_model, no_model_loads, command, place
+    tmp_path, capsys, request, finished_run, tiny_model, no_model_loads, command, place
 ):
     blocker = tmp_path / "taken"
     blocker.write_text("keep me")
-    out = {"read_only": read_only_dir / "out", "a_file": blocker, "under_a_file": blocker / "out"}[place]
+    if place == "read_only":  # only these cases need a mount (they skip where mounting is not allowed)
+        out = request.getfixturevalue("read_only_dir") / "out"
+    else:
+        out = {"a_file": blocker, "under_a_file": blocker / "out"}[place]
     argv = {
         "train": ["train", "tiny_sd3", f"trainer.output_dir={out}", *FAST],
         "sft": ["sft", "shapes_sft", f"trainer.output_dir={out}", "trainer.total_steps=1"],
