@@ -131,7 +131,9 @@ def measure_phase(
                 "fits",
                 False,
                 f"one micro-batch of {size} ran out of memory on {device}: set {key}={max(1, size // 2)} "
-                f"(or model.gradient_checkpointing=true / actor.param_offload=true for the update){also}",
+                f"(or model.gradient_checkpointing=true for the update; with several workers also "
+                "actor.param_offload=true)"
+                f"{also}",
             ),
             None,
         )

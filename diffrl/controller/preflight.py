@@ -142,6 +142,7 @@ def choose_parallelism(cfg: Config) -> None:
         world_size=cfg.world_size,
         lora=lora,
         sequence_parallel=actor.sequence_parallel_size > 1,
+        param_offload=actor.param_offload,
         weight_bytes=weight_bytes,
         device_bytes=device_bytes,
     )

@@ -167,6 +167,7 @@ class TrainEngine:
             world_size=torch.distributed.get_world_size() if in_group else 1,
             lora=self.lora,
             sequence_parallel=actor_cfg.sequence_parallel_size > 1,
+            param_offload=actor_cfg.param_offload,
         ).strategy
         # ddp: every rank holds the whole model and averages the gradients before each optimizer step
         self._replicated = self.strategy == "ddp" and in_group

@@ -67,11 +67,13 @@ def choose_strategy(
     world_size: int,
     lora: bool,
     sequence_parallel: bool = False,
+    param_offload: bool = False,
     weight_bytes: int | None = None,
     device_bytes: int | None = None,
 ) -> StrategyChoice:
     """Resolve `actor.strategy` (module docstring). `weight_bytes`: the pipeline's parameters in
-    the model's dtype; `device_bytes`: one device's memory; None where unknown."""
+    the model's dtype; `device_bytes`: one device's memory; None where unknown. `param_offload`
+    (actor.param_offload) is FSDP2's CPU offload, so it makes several workers shard."""
     if requested not in STRATEGIES:
         raise ValueError(f"actor.strategy={requested!r} is not one of {', '.join(STRATEGIES)}")
     if requested != "auto":
@@ -84,6 +86,8 @@ def choose_strategy(
         )
     if sequence_parallel:
         return StrategyChoice("fsdp2", "sequence parallelism shards the model with FSDP2")
+    if param_offload:
+        return StrategyChoice("fsdp2", "actor.param_offload: FSDP2 keeps its shards in host memory")
     if weight_bytes is not None and device_bytes is not None:
         share = weight_bytes / device_bytes
         sizes = f"{_size(weight_bytes)} of weights on a {_size(device_bytes)} device"

@@ -439,3 +439,27 @@ def test_bounded_staleness_keeps_the_old_log_probs_on_the_trainer_and_the_refere
     assert bounded.trainer.max_staleness == 3
     # the sampler's log-probs stay the behaviour policy's: the trainer recomputes the old ones
     assert not bounded.reuses_rollout_log_probs
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["actor.param_offload=true"],
+            r"actor\.param_offload=True is invalid: does nothing on one worker: .*optimizer_offload",
+        ),
+        (
+            ["actor.param_offload=true", "trainer.n_gpus_per_node=2", "actor.strategy=ddp"],
+            r"actor\.param_offload=True is invalid: does nothing with actor\.strategy=ddp: .*actor\.strategy=fsdp2",
+        ),
+        (["actor.strategy=fsdp2"], r"actor\.strategy=.fsdp2. is invalid: does nothing on one worker .*auto or none"),
+    ],
+)
+def test_fsdp2_settings_that_would_do_nothing_are_refused(overrides, expected):
+    """actor.param_offload and actor.strategy=fsdp2 act only where FSDP2 shards over several
+    workers; one worker (or ddp) ran without them and said nothing."""
+    with pytest.raises(ConfigError, match=expected):
+        load_config("shapes_flow_grpo", overrides)
+    # where FSDP2 shards, they are taken
+    cfg = load_config("shapes_flow_grpo", ["actor.param_offload=true", "trainer.n_gpus_per_node=2"])
+    assert cfg.actor.param_offload and cfg.world_size == 2

@@ -152,6 +152,8 @@ def test_choose_strategy_threshold_and_sequence_parallel():
     assert choose_strategy("auto", weight_bytes=just_fits, **kw).strategy == "ddp"
     assert choose_strategy("auto", weight_bytes=just_fits + 1, **kw).strategy == "fsdp2"
     assert choose_strategy("auto", weight_bytes=GIB, sequence_parallel=True, **kw).strategy == "fsdp2"
+    # actor.param_offload is FSDP2's offload: a LoRA run that would replicate shards instead
+    assert choose_strategy("auto", weight_bytes=GIB, param_offload=True, **kw).strategy == "fsdp2"
     with pytest.raises(ValueError, match=r"actor\.strategy='ddpp' is not one of auto, ddp, fsdp2, none"):
         choose_strategy("ddpp", world_size=2, lora=True)
 
