@@ -15,20 +15,50 @@ from diffrl import __version__
 # command imports what it needs inside its function, so `diffrl --help` and `diffrl config` start
 # in well under a second. tests/test_cli.py checks it.
 
-EPILOG = """\
+# (command, what it does): the --help examples; a command too long for the column gets its
+# description on the next line, at the column
+EXAMPLES = (
+    ("diffrl presets", "list the built-in presets"),
+    ("diffrl config", "the default preset, fully resolved"),
+    (
+        "diffrl config default rollout.sde.noise_level=0.8 actor.optim.lr=1e-4",
+        "the same with two keys changed",
+    ),
+    (
+        "diffrl config my_run.yaml trainer.total_steps=10",
+        "a YAML file (`base: default` + the keys it changes)",
+    ),
+    ("diffrl eval runs/latest", "held-out accuracy of the last run's newest checkpoint"),
+    ("diffrl check tiny_sd3", "is the setup consistent? (sampler, log-probs, rewards, memory)"),
+    ("diffrl sft", "retrain the shapes world's toy model (a GPU job)"),
+    ("diffrl export runs/latest --out my_lora", "the trained LoRA, diffusers format"),
+    ("diffrl export runs/latest --out my_model --merge", "a full pipeline, LoRA merged"),
+    ('diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/', "4 images"),
+    (
+        'diffrl sample --model ./sd35-medium --lora my_lora --prompt "a cat holding a sign" --out samples/',
+        "with a trained LoRA",
+    ),
+    (
+        'diffrl sample --model ./flux-kontext --image cat.png --prompt "make the cat blue" --out samples/',
+        "an edit of cat.png",
+    ),
+)
+_EXAMPLE_COLUMN = 52
+
+
+def _examples() -> str:
+    lines = []
+    for command, what in EXAMPLES:
+        if len(command) <= _EXAMPLE_COLUMN - 3:  # two spaces at least between command and text
+            lines.append(f"  {command:<{_EXAMPLE_COLUMN - 1}}{what}")
+        else:
+            lines += [f"  {command}", f"  {'':<{_EXAMPLE_COLUMN - 1}}{what}"]
+    return "\n".join(lines)
+
+
+EPILOG = f"""\
 examples:
-  diffrl presets                                   list the built-in presets
-  diffrl config                                    the default preset, fully resolved
-  diffrl config default rollout.sde.noise_level=0.8 actor.optim.lr=1e-4
-  diffrl config my_run.yaml trainer.total_steps=10 a YAML file (`base: default` + the keys it changes)
-  diffrl eval runs/latest                          held-out accuracy of the last run's newest checkpoint
-  diffrl check tiny_sd3                            is the setup consistent? (sampler, log-probs, rewards, memory)
-  diffrl sft                                       retrain the shapes world's toy model (a GPU job)
-  diffrl export runs/latest --out my_lora          the trained LoRA, diffusers format
-  diffrl export runs/latest --out my_model --merge a full pipeline, LoRA merged
-  diffrl sample --model ./sd35-medium --prompt "a cat holding a sign" -n 4 --out samples/
-  diffrl sample --model ./sd35-medium --lora my_lora --prompt "a cat holding a sign" --out samples/
-  diffrl sample --model ./flux-kontext --image cat.png --prompt "make the cat blue" --out samples/
+{_examples()}
 
 Keys and their meaning: docs/configuration.md
 """

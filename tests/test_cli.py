@@ -200,3 +200,19 @@ def test_the_offline_dpo_preset_sets_rollout_n_itself(tmp_path):
         ],
     )
     assert cfg == by_hand
+
+
+def test_help_examples_align_their_descriptions_in_one_column():
+    """Each example's description starts in one column, at least two spaces after its command (or
+    on the next line when the command is too long), so no description reads as part of a command."""
+    from diffrl.cli import EXAMPLES, build_parser
+
+    lines = build_parser().format_help().splitlines()
+    columns = set()
+    for command, what in EXAMPLES:
+        line = next(line for line in lines if line.endswith(what))
+        column = line.index(what)
+        assert line[column - 2 : column] == "  ", line
+        columns.add(column)
+        assert any(command in line for line in lines), command
+    assert len(columns) == 1, columns
