@@ -127,6 +127,21 @@ def _entry_type(path: tuple[str, ...]) -> Any:
     return tp
 
 
+def _removal_fix(key: str) -> str:
+    """How to get what `~key` (Hydra's deletion) means: `key=null` where the schema takes null
+    (an entry of a mapping, an Optional key), else that the key keeps a value."""
+    path = tuple(key.split("."))
+    parent = _entry_type(path[:-1]) if len(path) > 1 else Config
+    if typing.get_origin(parent) is dict:
+        return f"remove the entry with {key}=null"
+    hint = typing.get_type_hints(parent).get(path[-1]) if is_dataclass(parent) else None
+    if hint is None:  # not a key of the schema: the override's own check names it
+        return f"set it with {key}=VALUE"
+    if type(None) in typing.get_args(hint):
+        return f"unset it with {key}=null"
+    return f"{key} always has a value (set the one you want; `diffrl config` shows the current one)"
+
+
 def _is_entries(path: tuple[str, ...]) -> bool:
     """Whether `path` is a mapping of named entries (a `dict[str, ...]` of the schema)."""
     return typing.get_origin(_entry_type(path)) is dict
@@ -261,7 +276,7 @@ def _parse_overrides(overrides: Sequence[str]) -> _Layer:
                 f"write it as {bare!r}: every key of the schema can be set, and a new entry of "
                 "reward.functions is made by naming it"
                 if item[0] == "+"
-                else f"remove an entry with {bare.partition('=')[0]}=null"
+                else _removal_fix(bare.partition("=")[0])
             )
             raise ConfigError(
                 f"override {item!r}: {item[0]!r} is Hydra's prefix to add or delete a key; diffrl's overrides "

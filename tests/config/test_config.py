@@ -382,7 +382,8 @@ def test_lora_inits_that_rewrite_the_base_weights_are_refused():
     [
         ("+actor.optim.lr=1e-4", "write it as 'actor.optim.lr=1e-4'"),
         ("++reward.functions.ocr.weight=1", "write it as 'reward.functions.ocr.weight=1'"),
-        ("~reward.functions.shapes", "remove an entry with reward.functions.shapes=null"),
+        ("~reward.functions.shapes", "remove the entry with reward.functions.shapes=null"),
+        ("~trainer.run_name", "unset it with trainer.run_name=null"),  # an Optional key
     ],
 )
 def test_hydra_prefixes_get_a_message_that_says_to_drop_them(override, expected, capsys):
@@ -395,6 +396,15 @@ def test_hydra_prefixes_get_a_message_that_says_to_drop_them(override, expected,
     # and the override it suggests works (a tilde's key=null removes the preset's entry)
     fixed = expected.split("'")[1] if "write it as" in expected else expected.rsplit(" ", 1)[1]
     assert main(["config", "default", fixed]) == 0
+
+
+def test_a_tilde_on_a_key_that_always_has_a_value_suggests_no_null(capsys):
+    """`~trainer.seed` suggested trainer.seed=null, which the schema then refused (an int)."""
+    from diffrl.cli import main
+
+    assert main(["config", "default", "~trainer.seed"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.seed always has a value" in err and "=null" not in err, err
 
 
 @pytest.mark.parametrize(
@@ -452,7 +462,10 @@ def test_bounded_staleness_keeps_the_old_log_probs_on_the_trainer_and_the_refere
             ["actor.param_offload=true", "trainer.n_gpus_per_node=2", "actor.strategy=ddp"],
             r"actor\.param_offload=True is invalid: does nothing with actor\.strategy=ddp: .*actor\.strategy=fsdp2",
         ),
-        (["actor.strategy=fsdp2"], r"actor\.strategy=.fsdp2. is invalid: does nothing on one worker .*auto or none"),
+        (
+            ["actor.strategy=fsdp2"],
+            r"actor\.strategy=.fsdp2. is invalid: does nothing on one worker .*auto or none",
+        ),
     ],
 )
 def test_fsdp2_settings_that_would_do_nothing_are_refused(overrides, expected):
