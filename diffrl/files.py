@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -104,37 +105,80 @@ def read_json_file(path: str | os.PathLike, what: str, fix: str) -> Any:
         ) from None
 
 
+# Rust writers (safetensors, which diffusers' save_pretrained uses) report an OS error in their own
+# exception type, its errno only in the text: "I/O error: No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_errno(error: BaseException) -> int | None:
+    """The OS error number `error` reports: an OSError's errno, or the one in the text of a Rust
+    writer's error (safetensors); None for anything else."""
+    if isinstance(error, OSError):
+        return error.errno
+    match = _RUST_OS_ERROR.search(str(error))
+    return None if match is None else int(match.group(1))
+
+
+def named_os_error(error: BaseException, path: Path | str) -> OSError | None:
+    """`error` as an OSError naming `path`, when it is an OS error that names no file, else None.
+
+    Writes, flushes and fsyncs on an open file (a full disk, say) raise an OSError without a file
+    name, and so do the writers of torch.distributed.checkpoint and Pillow; safetensors raises its
+    own error type. The OSError returned keeps the errno, so the CLI still recognises a full disk.
+    """
+    code = os_errno(error)
+    if code is None or getattr(error, "filename", None) is not None:
+        return None
+    return OSError(code, os.strerror(code), str(path))
+
+
 @contextlib.contextmanager
 def naming(path: Path | str) -> Iterator[None]:
-    """An OSError raised inside without a file name (a write, flush or fsync on an open file: a
-    full disk, say) is raised again naming `path`, so the message can say where."""
+    """An OS error raised inside that names no file (`named_os_error`) is raised again as an
+    OSError naming `path`, from the original, so the message can say where."""
     try:
         yield
-    except OSError as err:
-        if err.filename is not None or err.errno is None:
+    except Exception as err:
+        named = named_os_error(err, path)
+        if named is None:
             raise
-        raise OSError(err.errno, err.strerror, str(path)) from err
+        raise named from err
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `path` so that a crash or a power loss leaves the old file or the new one, never half
-    or an empty one: a temporary file, flushed to the disk, renamed over `path`, and the rename
-    itself made durable. A failed write (a full disk) removes the temporary file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+def _fsync_path(path: Path) -> None:
+    """Flush `path` (a file, or a folder's entries: a rename or a new file in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with naming(path), open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path | str) -> Iterator[Path]:
+    """A temporary path beside `path` for the block to write (with any writer: Pillow, json, ...);
+    when the block ends it is flushed to the disk and renamed over `path`, and the rename made
+    durable, so a crash or a power loss leaves the old file or the new one, never half of one.
+    When the block (or the flush) fails, the temporary file is removed and an OS error naming no
+    file is raised again naming `path` (`naming`). The temporary name ends with `path`'s suffix,
+    for writers that choose the format by it (Pillow)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    try:
+        with naming(path):
+            yield tmp
+            _fsync_path(tmp)
+            os.replace(tmp, path)
+            _fsync_path(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` atomically (`atomic_file`): the old file or the new one, never half or an empty one."""
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def umask_mode(path: Path) -> None:

@@ -34,6 +34,30 @@ T = TypeVar("T")
 _STATE_KEYS = ("epoch", "position", "num_records")
 
 
+def _is_count(value: Any, low: int = 0) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | np.integer) and value >= low
+
+
+def state_problem(state: Any) -> str | None:
+    """What makes `state` no `state_dict()` of any sampler, as a sentence, or None: checked before
+    it is used (a checkpoint's extra.json stores it), without the records it will be loaded with."""
+    if not isinstance(state, Mapping):
+        return f"the sampler state is a {type(state).__name__}, not a mapping of {list(_STATE_KEYS)}"
+    unknown = sorted(set(state) - set(_STATE_KEYS))
+    if unknown:
+        return f"unknown sampler state keys {unknown}: expected {list(_STATE_KEYS)}"
+    for key in ("epoch", "position"):
+        if not _is_count(state.get(key)):
+            return f"sampler state {key}={state.get(key)!r} is invalid: must be an integer >= 0"
+    if "num_records" in state:
+        n = state["num_records"]
+        if not _is_count(n, low=1):
+            return f"sampler state num_records={n!r} is invalid: must be an integer >= 1"
+        if state["position"] >= n:
+            return f"sampler state position={state['position']!r} is invalid: must be < its num_records={n!r}"
+    return None
+
+
 class PromptSampler(Generic[T]):
     """Endless batches of `batch_size` (index into `records`, record) pairs; see the module docstring."""
 
@@ -114,13 +138,9 @@ class PromptSampler(Generic[T]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a `state_dict()`; raises ValueError for a malformed state or other records."""
         n = len(self.records)
-        unknown = sorted(set(state) - set(_STATE_KEYS))
-        if unknown:
-            raise ValueError(f"unknown sampler state keys {unknown}: expected {list(_STATE_KEYS)}")
-        for key in ("epoch", "position"):
-            value = state.get(key)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise ValueError(f"sampler state {key}={value!r} is invalid: must be an integer >= 0")
+        problem = state_problem(state)
+        if problem is not None:
+            raise ValueError(problem)
         if "num_records" in state and state["num_records"] != n:
             raise ValueError(
                 f"the sampler state was saved with {state['num_records']} prompts but {n} are loaded now: "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffrl.files import read_json_file
+from diffrl.files import naming, read_json_file
 from diffrl.models.base import MODEL_DIR_FIX
 
 SAMPLING_FILE = "diffrl_sampling.json"
@@ -128,7 +128,8 @@ def write_sampling_file(folder: Path, settings: dict[str, Any]) -> Path:
     unknown = sorted(set(settings) - set(KEYS))
     assert not unknown, unknown
     file = Path(folder) / SAMPLING_FILE
-    file.write_text(json.dumps(settings, indent=2) + "\n")
+    with naming(file):
+        file.write_text(json.dumps(settings, indent=2) + "\n")
     return file
 
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from diffrl.files import atomic_file
+
 ArrayLike = torch.Tensor | np.ndarray
 
 
@@ -202,9 +204,8 @@ def save_png(path: str | os.PathLike, image_HWC: ArrayLike) -> Path:
         raise ValueError(f"image must be (H, W) or (H, W, C) with C in 1/3/4, got shape {tuple(array.shape)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    Image.fromarray(np.ascontiguousarray(array)).save(tmp, format="PNG")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        Image.fromarray(np.ascontiguousarray(array)).save(tmp, format="PNG")
     return path
 
 
@@ -225,14 +226,13 @@ def save_gif(path: str | os.PathLike, video_T3HW: ArrayLike, fps: float) -> Path
     frames = [Image.fromarray(np.ascontiguousarray(frame.transpose(1, 2, 0))) for frame in array]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    frames[0].save(
-        tmp,
-        format="GIF",
-        save_all=True,
-        append_images=frames[1:],
-        duration=max(10, round(100 / fps) * 10),
-        loop=0,
-    )
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        frames[0].save(
+            tmp,
+            format="GIF",
+            save_all=True,
+            append_images=frames[1:],
+            duration=max(10, round(100 / fps) * 10),
+            loop=0,
+        )
     return path

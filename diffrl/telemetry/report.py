@@ -32,6 +32,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
+from diffrl.files import atomic_file, atomic_write_text
 from diffrl.telemetry.sinks import format_value, read_metrics
 
 TRAIN_REWARD = "rewards/mean"
@@ -140,7 +141,7 @@ def validation_grid(
 
     if samples_path is not None:
         samples_path.parent.mkdir(parents=True, exist_ok=True)
-        samples_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        atomic_write_text(samples_path, "".join(json.dumps(row) + "\n" for row in rows))
     images = pixels.detach().cpu().numpy() if isinstance(pixels, torch.Tensor) else np.asarray(pixels)
     scale = max(1, -(-GRID_MIN_TILE // max(images.shape[-2:])))
     if conditions is not None and images.ndim == 4:
@@ -209,7 +210,7 @@ def validation_videos(
         "vertical-align:top}img{max-width:100%}</style></head><body>"
         f"<h1>validation {title}</h1>\n" + "\n".join(figures) + "\n</body></html>\n"
     )
-    (folder / "index.html").write_text(page, encoding="utf-8")
+    atomic_write_text(folder / "index.html", page)
     return paths
 
 
@@ -350,7 +351,7 @@ def write_report(run_dir: str | Path) -> str:
             series.append((key, values, color, 1))
         line_plot(series, run_dir / "reward_curve.png", title=run_dir.name)
         lines.append(f"reward curve: {run_dir / 'reward_curve.png'}")
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return "\n".join(lines)
 
 
@@ -406,7 +407,8 @@ def side_by_side(images: list[Path], labels: list[str], out: Path) -> Path:
         canvas.paste(image, (x, gap + label_h))
         x += image.width + gap
     out.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(out)
+    with atomic_file(out) as tmp:
+        canvas.save(tmp)
     return out
 
 
@@ -452,7 +454,9 @@ def line_plot(
     draw = ImageDraw.Draw(image)
     draw.text((left, 8), title, fill="black", font=font)
     if not points:
-        image.save(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out) as tmp:
+            image.save(tmp)
         return out
     x_ticks = nice_ticks(min(p[0] for p in points), max(p[0] for p in points), integer=True)
     y_ticks = nice_ticks(min(p[1] for p in points), max(p[1] for p in points))
@@ -486,7 +490,8 @@ def line_plot(
         draw.text((legend_x, legend_y), label, fill=color, font=font)
         legend_y += 14
     out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out)
+    with atomic_file(out) as tmp:
+        image.save(tmp)
     return out
 
 

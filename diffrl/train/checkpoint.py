@@ -34,7 +34,8 @@ hashes right under a forged manifest but does not parse fails here). A mismatch 
 `CheckpointError` (a ValueError) naming the file and the fix. Under a process group the hashing is
 split across the ranks. `latest_checkpoint` returns the newest checkpoint that verifies and logs a
 warning for every newer one it skipped. Verification and finding live in
-`diffrl.train.checkpoint_files` (re-exported here).
+`diffrl.train.checkpoint_files` (re-exported here); whether the weights fit a model (LoRA settings,
+shapes) in `diffrl.train.checkpoint_fit`.
 
 Crash safety: a save writes into `<root>/.tmp-step_<step>/` and rank 0 renames it to
 `step_<step>/` only after every rank has finished and the manifest and `complete` marker are on
@@ -70,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from diffrl.files import naming
+from diffrl.files import named_os_error, naming
 from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers import them from here)
     _FIX,
     COMPLETE_MARKER,
@@ -84,10 +85,12 @@ from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers
     _read_json,
     _sha256,
     complete_checkpoints,
+    fit_problem,
     latest_checkpoint,
     step_dir,
     verify_checkpoint,
 )
+from diffrl.train.checkpoint_fit import check_model_matches, lora_summary
 from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
 from diffrl.train.distributed import rank as process_rank
 from diffrl.train.export import adapter_key_predicate, lora_adapter_names
@@ -98,8 +101,6 @@ log = logging.getLogger(__name__)
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 _PARTS_DIR = ".manifest-parts"
-# The LoraConfig fields that decide which tensors an adapter has and how they scale.
-_LORA_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
 
 
 # ---------------------------------------------------------------------------------- process group
@@ -157,17 +158,6 @@ def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
     return {key: value for key, value in state.items() if is_adapter(key)}
 
 
-def _lora_summary(model: nn.Module) -> dict[str, dict[str, Any]]:
-    summary = {}
-    for name in lora_adapter_names(model):
-        config = model.peft_config[name]
-        fields = {field: getattr(config, field, None) for field in _LORA_FIELDS}
-        if isinstance(fields["target_modules"], set | frozenset | list | tuple):
-            fields["target_modules"] = sorted(fields["target_modules"])
-        summary[name] = fields
-    return summary
-
-
 def _split_optimizer_state(state: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:
     """(tensors, description, scalars) of an optimizer state {fqn: {key: tensor or number}}.
 
@@ -198,7 +188,8 @@ def _save_tensors(state: dict[str, Any], directory: Path) -> None:
 
     DCP wraps a rank's write error (a full disk) in its CheckpointException, a BaseException that
     an `except Exception` misses: the first OSError inside is raised as itself (the CLI names a full
-    disk), anything else as a RuntimeError carrying DCP's report."""
+    disk), naming `directory` when it names no file (DCP writes to an open stream), anything else
+    as a RuntimeError carrying DCP's report."""
     try:
         with _single_process_quiet():
             dcp.save(
@@ -210,7 +201,7 @@ def _save_tensors(state: dict[str, Any], directory: Path) -> None:
         causes = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
         for cause in causes:
             if isinstance(cause, OSError):
-                raise cause from None
+                raise named_os_error(cause, directory) or cause from None
         raise RuntimeError(f"writing the checkpoint's tensors to {directory} failed: {err}") from None
 
 
@@ -311,7 +302,7 @@ def save_checkpoint(
         "format_version": FORMAT_VERSION,
         "step": step,
         "trainable_only": trainable_only,
-        "adapters": _lora_summary(model),
+        "adapters": lora_summary(model),
         "has_optimizer_state": has_optimizer_state,
         "has_scheduler": scheduler is not None,
         "world_size": world_size(),
@@ -411,89 +402,10 @@ def _prune(root: Path, keep_last: int, protect: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- load
-def _saved_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Key -> global shape of the tensors in a per-rank safetensors directory, from the headers (JSON)."""
-    if not directory.is_dir():
-        return {}
-    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
-    return {key: tuple(item.size) for key, item in metadata.state_dict_metadata.items()}
-
-
 def _load_tensors(state: dict[str, Any], directory: Path) -> None:
     """Fill `state`'s tensors (this rank's shards) in place from a per-rank safetensors directory."""
     with _single_process_quiet():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_distributed())
-
-
-def _diff_lines(saved: dict[str, tuple], model: dict[str, tuple], limit: int = 5) -> list[str]:
-    lines = []
-    missing = sorted(set(saved) - set(model))
-    unexpected = sorted(set(model) - set(saved))
-    shape = sorted(k for k in set(saved) & set(model) if saved[k] != model[k])
-    if missing:
-        lines.append(f"{len(missing)} saved tensor(s) the model lacks, e.g. {missing[:limit]}")
-    if unexpected:
-        lines.append(f"{len(unexpected)} model tensor(s) the checkpoint lacks, e.g. {unexpected[:limit]}")
-    if shape:
-        examples = [f"{k}: saved {list(saved[k])}, model {list(model[k])}" for k in shape[:limit]]
-        lines.append(f"{len(shape)} shape mismatch(es), e.g. {examples}")
-    return lines
-
-
-def _check_model_matches(
-    path: Path, meta: dict[str, Any], model: nn.Module, model_state: dict[str, Any], trainable_only: bool
-) -> None:
-    """Raise, saying what differs and the fix, when the checkpoint's weights do not fit `model`."""
-    saved_shapes = _saved_shapes(path / MODEL_DIR)
-    model_shapes = {key: tuple(value.shape) for key, value in model_state.items() if hasattr(value, "shape")}
-    if not trainable_only:
-        lines = _diff_lines(saved_shapes, model_shapes)
-        if lines:
-            raise ValueError(
-                f"checkpoint {str(path)!r} holds full weights of a different model: "
-                + "; ".join(lines)
-                + ". Load it into the architecture it was saved from (the same model.path)"
-            )
-        return
-
-    saved, current = meta["adapters"], _lora_summary(model)
-    if set(saved) != set(current):
-        fixes = []
-        if set(saved) - set(current):
-            fixes.append(
-                f"add adapter(s) {sorted(set(saved) - set(current))} to the model before loading "
-                "(transformer.add_adapter(LoraConfig(...), adapter_name=...); the engine adds 'old' when the "
-                "algorithm keeps an old policy)"
-            )
-        if set(current) - set(saved):
-            fixes.append(
-                f"the checkpoint has no weights for adapter(s) {sorted(set(current) - set(saved))}: "
-                "configure the run as it was saved (same algorithm.old_policy) or delete those adapters"
-            )
-        raise ValueError(
-            f"checkpoint {str(path)!r} holds LoRA adapters {sorted(saved)}, the model has {sorted(current)}: "
-            + "; ".join(fixes)
-        )
-    hints, scale_differs = [], False
-    for name in sorted(saved):
-        for field in _LORA_FIELDS:
-            if saved[name][field] != current[name][field]:
-                # alpha, rsLoRA and DoRA change the update without changing tensor shapes.
-                scale_differs |= field in ("lora_alpha", "use_rslora", "use_dora")
-                key = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha"}.get(
-                    field, f"model.lora.{field}"
-                )
-                hints.append(
-                    f"adapter {name!r} was saved with {field}={saved[name][field]!r}, the model has "
-                    f"{current[name][field]!r} (set {key} to the saved value)"
-                )
-    lines = _diff_lines(saved_shapes, model_shapes)
-    if lines or scale_differs:
-        raise ValueError(
-            f"checkpoint {str(path)!r} does not match the model's LoRA adapters: "
-            + "; ".join(hints + lines)
-            + ". Build the adapters exactly as in the run that saved it"
-        )
 
 
 def _restore_types(saved: Any, live: Any) -> Any:
@@ -503,6 +415,13 @@ def _restore_types(saved: Any, live: Any) -> Any:
     if isinstance(saved, list) and isinstance(live, tuple):
         return tuple(saved)
     return saved
+
+
+def _does_not_fit(path: Path, name: str, problem: str) -> None:
+    raise CheckpointError(
+        f"checkpoint {str(path)!r}: {name} does not fit this run's optimizer and scheduler: {problem}. "
+        f"Resume with the actor.optim settings it was saved with; if they are the same, {_FIX}"
+    )
 
 
 def _load_optimizer(path: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -524,6 +443,12 @@ def _load_optimizer(path: Path, saved: Any, model: nn.Module, optimizer: torch.o
                 f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
                 f"{len(live['param_groups'])}: resume with the optimizer it was saved with"
             )
+        for index, (group, live_group) in enumerate(zip(groups, live["param_groups"], strict=True)):
+            if sorted(group["params"]) != sorted(live_group["params"]):
+                _does_not_fit(path, "optim.json", f"param_groups[{index}].params lists other parameters")
+            problem = fit_problem(group, live_group, f"param_groups[{index}]")
+            if problem:
+                _does_not_fit(path, "optim.json", problem)
     except (KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r}: optim.json is malformed ({err}); {_FIX}") from err
     _load_tensors(target, path / OPTIM_DIR)
@@ -576,13 +501,17 @@ def load_checkpoint(
         )
 
     model_state = _model_state(model, trainable_only)
-    _check_model_matches(path, meta, model, model_state, trainable_only)
+    check_model_matches(path, meta, model, model_state, trainable_only)
     # Every JSON file is parsed before anything is restored: a malformed one leaves all untouched.
     extra = _read_json(path, "extra.json")
     load_optimizer = optimizer is not None and meta["has_optimizer_state"]
     optim_saved = _read_json(path, "optim.json") if load_optimizer else None
     scheduler_state = _read_json(path, "scheduler.json") if scheduler is not None else None
     rng_state = _read_json(path, rng_file.relative_to(path).as_posix()) if restore_rng else None
+    if scheduler is not None and (
+        problem := fit_problem(scheduler_state, scheduler.state_dict(), "its state")
+    ):
+        _does_not_fit(path, "scheduler.json", problem)
     _load_tensors(model_state, path / MODEL_DIR)
     # Not strict for adapters: the frozen base weights are deliberately absent from the state.
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))

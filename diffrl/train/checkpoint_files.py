@@ -18,13 +18,16 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
+from diffrl.data.sampler import state_problem as sampler_state_problem
 from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
 from diffrl.train.distributed import rank as process_rank
 from diffrl.train.rng_state import parse_rng_state
@@ -228,21 +231,9 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} failed verification: {listed}; {_FIX}")
 
     meta = _read_json(path, "meta.json")
-    required = (
-        "format_version",
-        "trainable_only",
-        "adapters",
-        "has_optimizer_state",
-        "has_scheduler",
-        "world_size",
-    )
-    if not isinstance(meta, dict) or any(key not in meta for key in required):
-        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json lacks some of {list(required)}; {_FIX}")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has format version {meta['format_version']}; this diffrl reads "
-            f"version {FORMAT_VERSION}"
-        )
+    problem = _meta_problem(path, meta)
+    if problem:
+        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json {problem}; {_FIX}")
     for name in sorted(files):
         if name.endswith(".json") and name != "meta.json":
             problem = _json_problem(path, name, _read_json(path, name), meta)
@@ -251,8 +242,137 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+# ---------------------------------------------------------------------------------- JSON fields
+# Every field a load reads from a checkpoint's JSON files is checked here, in type and range, so a
+# file that hashes right under a forged manifest fails the verification (named, with the value),
+# not the load in a worker, nor the run steps later.
+def _is_count(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _is_str_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _is_flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+_META_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format_version": (_is_count, "an integer"),
+    "step": (_is_count, "an integer >= 0"),
+    "trainable_only": (_is_flag, "true or false"),
+    "has_optimizer_state": (_is_flag, "true or false"),
+    "has_scheduler": (_is_flag, "true or false"),
+    "world_size": (lambda value: _is_count(value, low=1), "an integer >= 1"),
+    "adapters": (lambda value: isinstance(value, dict), "an object {adapter: its LoRA settings}"),
+}
+# The LoRA settings of each adapter (checkpoint_fit.LORA_FIELDS), compared with the model's on load.
+_ADAPTER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "r": (lambda value: _is_count(value, low=1), "an integer >= 1"),
+    "lora_alpha": (lambda value: _is_number(value) and value > 0, "a number > 0"),
+    "target_modules": (
+        lambda value: value is None or isinstance(value, str) or _is_str_list(value),
+        "a module name, a list of them, or null",
+    ),
+    "use_rslora": (lambda value: value is None or _is_flag(value), "true, false or null"),
+    "use_dora": (lambda value: value is None or _is_flag(value), "true, false or null"),
+}
+
+
+def _field_problem(fields: dict[str, tuple[Callable[[Any], bool], str]], value: dict, at: str) -> str | None:
+    missing = [key for key in fields if key not in value]
+    if missing:
+        return f"lacks {at}{missing}"
+    for key, (valid, expected) in fields.items():
+        if not valid(value[key]):
+            return f"has {at}{key}={value[key]!r}, which must be {expected}"
+    return None
+
+
+def _meta_problem(path: Path, meta: Any) -> str | None:
+    """What is wrong with the parsed meta.json of the checkpoint `path`, or None."""
+    if not isinstance(meta, dict):
+        return f"is not a JSON object but a {type(meta).__name__}"
+    problem = _field_problem(_META_FIELDS, meta, "")
+    if problem:
+        return problem
+    if meta["format_version"] != FORMAT_VERSION:
+        return f"has format version {meta['format_version']}; this diffrl reads version {FORMAT_VERSION}"
+    named = _STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != meta["step"]:
+        return f"says step {meta['step']}, its folder's name step {int(named.group(1))}"
+    if meta["trainable_only"] and not meta["adapters"]:
+        return "says trainable_only (LoRA adapters) but lists no adapters"
+    for name, adapter in meta["adapters"].items():
+        if not isinstance(adapter, dict):
+            return f"has adapters[{name!r}]={adapter!r}, which must be an object of its LoRA settings"
+        problem = _field_problem(_ADAPTER_FIELDS, adapter, f"adapters[{name!r}].")
+        if problem:
+            return problem
+    return None
+
+
+def _is_json_scalar(value: Any) -> bool:
+    """A JSON leaf a state may hold: a finite number, true/false, a string or null."""
+    return value is None or isinstance(value, bool | str) or _is_number(value)
+
+
+def _is_plain_state(value: Any) -> bool:
+    """A JSON scalar, or a list or object of plain states: no NaN or infinity anywhere."""
+    if isinstance(value, list):
+        return all(_is_plain_state(item) for item in value)
+    if isinstance(value, dict):
+        return all(_is_plain_state(item) for item in value.values())
+    return _is_json_scalar(value)
+
+
+def _optim_problem(value: dict) -> str | None:
+    tensors, scalars, groups = value.get("tensors"), value.get("scalars"), value.get("param_groups")
+    if not (isinstance(tensors, dict) and all(_is_str_list(keys) for keys in tensors.values())):
+        return "has no valid 'tensors' table ({parameter: [state keys]})"
+    if not (isinstance(scalars, dict) and all(isinstance(v, dict) for v in scalars.values())):
+        return "has no valid 'scalars' table ({parameter: {key: number}})"
+    for fqn, values in scalars.items():
+        for key, item in values.items():
+            if not _is_json_scalar(item):
+                return f"has scalars[{fqn!r}][{key!r}]={item!r}, which must be a finite number, a flag or a string"
+    if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
+        return "has no valid 'param_groups' list"
+    for index, group in enumerate(groups):
+        if not _is_str_list(group.get("params")):
+            return f"has param_groups[{index}].params={group.get('params')!r}, which must be a list of parameter names"
+        for key, item in group.items():
+            if key != "params" and not _is_plain_state(item):
+                return f"has param_groups[{index}].{key}={item!r}, which must be finite numbers, flags or strings"
+        if not (_is_number(group.get("lr")) and group["lr"] >= 0):
+            return f"has param_groups[{index}].lr={group.get('lr')!r}, which must be a number >= 0"
+    return None
+
+
+# LRScheduler.state_dict's counters; its other entries are compared with the live scheduler on load.
+_SCHEDULER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "last_epoch": (lambda value: _is_count(value, low=-1), "an integer >= -1"),
+    "_step_count": (_is_count, "an integer >= 0"),
+    "base_lrs": (
+        lambda value: isinstance(value, list) and all(_is_number(v) and v >= 0 for v in value),
+        "a list of numbers >= 0",
+    ),
+}
+
+
+def _scheduler_problem(value: dict) -> str | None:
+    for key, (valid, expected) in _SCHEDULER_FIELDS.items():
+        if key in value and not valid(value[key]):
+            return f"has {key}={value[key]!r}, which must be {expected}"
+    for key, item in value.items():
+        if not _is_plain_state(item):
+            return f"has {key}={item!r}, which must be finite numbers, flags or strings"
+    return None
 
 
 def _json_problem(path: Path, name: str, value: Any, meta: dict[str, Any]) -> str | None:
@@ -262,23 +382,53 @@ def _json_problem(path: Path, name: str, value: Any, meta: dict[str, Any]) -> st
     if not isinstance(value, dict):
         return f"is not a JSON object but a {type(value).__name__}"
     if name == "extra.json":
-        step = value.get("step", meta.get("step"))
-        if "step" in meta and (isinstance(step, bool) or step != meta["step"]):
+        step = value.get("step", meta["step"])
+        if isinstance(step, bool) or step != meta["step"]:
             return f"says step {step!r}, its meta.json step {meta['step']!r}"
+        # the data sampler's position, where the loops keep it (TrainingLoop.save)
+        if "data" in value and (problem := sampler_state_problem(value["data"])) is not None:
+            return f"holds a data position that cannot be resumed: {problem}"
     elif name == "optim.json":
-        tensors, scalars, groups = value.get("tensors"), value.get("scalars"), value.get("param_groups")
-        if not (isinstance(tensors, dict) and all(_is_str_list(keys) for keys in tensors.values())):
-            return "has no valid 'tensors' table ({parameter: [state keys]})"
-        if not (isinstance(scalars, dict) and all(isinstance(v, dict) for v in scalars.values())):
-            return "has no valid 'scalars' table ({parameter: {key: number}})"
-        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
-            return "has no valid 'param_groups' list"
+        return _optim_problem(value)
+    elif name == "scheduler.json":
+        return _scheduler_problem(value)
     elif name.startswith(f"{RNG_DIR}/"):
         try:
             parse_rng_state(value)
         except ValueError as err:
             return f"is not a valid RNG state ({err})"
     return None
+
+
+def fit_problem(saved: Any, live: Any, at: str) -> str | None:
+    """Where the JSON value `saved` (an optimizer's param group, a scheduler's state) does not have
+    the type of the live value `live` it replaces on load, as 'AT=VALUE, where this run has LIVE',
+    or None. Lists must also have the live one's length; objects may hold only keys the live one
+    has. A null on either side fits any value (torch's `foreach=None` defaults)."""
+    if isinstance(live, list | tuple) and isinstance(saved, list) and len(saved) == len(live):
+        for index, (item, live_item) in enumerate(zip(saved, live, strict=True)):
+            if problem := fit_problem(item, live_item, f"{at}[{index}]"):
+                return problem
+        return None
+    if isinstance(live, dict) and isinstance(saved, dict):
+        unknown = sorted(set(saved) - set(live))
+        if unknown:
+            return f"{at} has {unknown}, which this run's has not"
+        for key, item in saved.items():
+            if problem := fit_problem(item, live[key], f"{at}.{key}"):
+                return problem
+        return None
+    if saved is None or live is None:
+        fits = True
+    elif isinstance(live, bool):
+        fits = isinstance(saved, bool)
+    elif isinstance(live, int | float):
+        fits = _is_number(saved)
+    elif isinstance(live, str):
+        fits = isinstance(saved, str)
+    else:  # a list or an object that does not match, or a type no JSON value could stand for
+        fits = not isinstance(live, list | tuple | dict)
+    return None if fits else f"{at}={saved!r}, where this run has {live!r}"
 
 
 # ---------------------------------------------------------------------------------- find
