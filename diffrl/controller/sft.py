@@ -248,6 +248,28 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     return train, val
 
 
+#: A CPU trains the toy model at about 10 images/s (shapes_sft, 2 cores): past this many images
+#: a job runs for hours there, and `diffrl sft` says so before it starts.
+CPU_SFT_IMAGES_NOTE = 100_000
+CPU_SFT_IMAGES_PER_S = 10
+
+
+def cpu_job_note(cfg: Config, cuda: bool) -> str | None:
+    """The line `diffrl sft` prints before a job too long for this machine (no GPU, and more than
+    CPU_SFT_IMAGES_NOTE images), or None."""
+    images = cfg.trainer.total_steps * cfg.data.prompts_per_step
+    if cuda or images <= CPU_SFT_IMAGES_NOTE:
+        return None
+    hours = images / CPU_SFT_IMAGES_PER_S / 3600
+    look = max(1, 300 * CPU_SFT_IMAGES_PER_S // cfg.data.prompts_per_step)  # steps in ~5 minutes
+    return (
+        f"note: this job trains {images:,} images ({cfg.trainer.total_steps} steps of "
+        f"{cfg.data.prompts_per_step}) and there is no GPU: at a CPU's ~{CPU_SFT_IMAGES_PER_S} images/s "
+        f"that is about {hours:,.0f} hours (a GPU job: shapes_sft is ~4000 images/s on one H100). "
+        f"For a look in about 5 minutes: trainer.total_steps={look}"
+    )
+
+
 def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
     """Run a supervised flow-matching job; returns its run directory (the model is in `model/`)."""
     source = source or "shapes_sft"
@@ -256,6 +278,8 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
 
     if (finished := skip_if_finished(cfg.trainer)) is not None:
         return finished  # before any model loads: nothing to do
+    if (note := cpu_job_note(cfg, torch.cuda.is_available())) is not None:
+        print(note, flush=True)
     train_records, val_records = preflight(cfg)
     with job(cfg, source) as j:
         trainer = SupervisedTrainer(

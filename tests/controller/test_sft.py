@@ -144,3 +144,18 @@ def test_sft_rejects_bad_data_before_starting(tmp_path, data):
     with pytest.raises(ValueError, match=r"must be a multiple of actor\.micro_batch_size=4"):
         sft(_config(tmp_path, data), ["data.prompts_per_step=6"])
     assert not (tmp_path / "runs").exists()  # nothing written for runs that cannot start
+
+
+def test_a_long_sft_job_on_a_cpu_says_how_long_before_it_starts():
+    """`diffrl sft` (shapes_sft: 8000 steps of 512 images, a GPU job) on a CPU started with no word
+    of its length; short jobs and GPU machines get no note."""
+    from diffrl.config import load_config
+    from diffrl.controller.sft import CPU_SFT_IMAGES_PER_S, cpu_job_note
+
+    cfg = load_config("shapes_sft", job="sft")
+    images = cfg.trainer.total_steps * cfg.data.prompts_per_step
+    note = cpu_job_note(cfg, cuda=False)
+    assert f"{images:,} images" in note and "trainer.total_steps=5" in note  # 5 x 512 images at 10/s
+    assert f"about {images / CPU_SFT_IMAGES_PER_S / 3600:,.0f} hours" in note
+    assert cpu_job_note(cfg, cuda=True) is None
+    assert cpu_job_note(load_config("shapes_sft", ["trainer.total_steps=5"], job="sft"), cuda=False) is None
