@@ -179,6 +179,11 @@ def test_sample_lora_dir_that_is_a_run_says_to_export_it(tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert f"diffrl export {tmp_path} --out DIR" in capsys.readouterr().err
+    # a run that ended writes its final LoRA to RUN/export: the hint names that folder
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / LORA_FILE).write_bytes(b"")
+    assert main(argv) == 2
+    assert f"pass --lora {tmp_path / 'export'}" in capsys.readouterr().err
 
 
 def test_export_of_something_that_is_not_a_run(tmp_path, tiny_model, capsys):

@@ -59,7 +59,9 @@ def check_lora_dir(lora: str | Path) -> Path:
         raise ValueError(f"--lora {str(lora)!r} is a file: pass the directory that holds {LORA_FILE}")
     if (path / LORA_FILE).is_file():
         return path
-    if (path / "config.yaml").is_file() or path.parent.name == "checkpoints":
+    if (path / "config.yaml").is_file() and (path / "export" / LORA_FILE).is_file():
+        hint = f"it is a run: its final LoRA is in {path / 'export'}, pass --lora {path / 'export'}"
+    elif (path / "config.yaml").is_file() or path.parent.name == "checkpoints":
         hint = f"it is a run or a checkpoint: export its LoRA first, `diffrl export {lora} --out DIR`, then --lora DIR"
     elif (path / "model_index.json").is_file():
         hint = "it is a full pipeline (e.g. a merged export): pass it as --model instead"
