@@ -92,11 +92,22 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_first(items: Sequence[str], job: str, default: str | None = None) -> tuple[str | None, list[str]]:
+    """(source, overrides) of `items`, once the config loads (`default`: the job's preset when none is
+    named): a config error is found in a second, before the job imports torch, diffusers and Ray
+    (10-20 s on a slow host)."""
+    from diffrl.config import load_config
+
+    source, overrides = _split_source(items)
+    load_config(source or default, overrides, job=job)
+    return source, overrides
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    source, overrides = _config_first(args.items, "train")
     from diffrl.controller.run import train
     from diffrl.telemetry.health import HealthStop
 
-    source, overrides = _split_source(args.items)
     try:
         run_dir = train(source, overrides)
     except HealthStop as stop:  # trainer.health.stop_on: checkpoint saved, weights exported
@@ -107,19 +118,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    source, overrides = _config_first(args.items, "train")
     from diffrl.controller.check import check
 
-    source, overrides = _split_source(args.items)
     report = check(source, overrides, quick=args.quick)
     print(report.table(), end="")
     return report.exit_code
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    source, overrides = _config_first(args.items, "sft", default="shapes_sft")
     from diffrl.controller.sft import sft
     from diffrl.telemetry.health import HealthStop
 
-    source, overrides = _split_source(args.items)
     try:
         run_dir = sft(source, overrides)
     except HealthStop as stop:  # trainer.health.stop_on: checkpoint saved, model exported

@@ -151,7 +151,18 @@ def test_preset_headers_without_a_valid_level_are_rejected(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["presets"], ["config"], ["train", "--help"], ["serve-reward", "--help"]]
+    "argv",
+    [
+        ["--help"],
+        ["presets"],
+        ["config"],
+        ["train", "--help"],
+        ["serve-reward", "--help"],
+        # a config error of a job is found before the job's imports (issue 52: 11-21 s per error)
+        ["train", "trainer.total_steps=abc"],
+        ["sft", "trainer.total_steps=abc"],
+        ["check", "trainer.total_steps=abc"],
+    ],
 )
 def test_parsing_and_config_import_nothing_heavy(argv):
     """`diffrl --help`, `diffrl presets` and `diffrl config` must start fast: no torch, diffusers,
@@ -179,6 +190,8 @@ def test_parsing_and_config_import_nothing_heavy(argv):
         assert "--port" in done.stdout and "reward.functions.http" in done.stdout, done.stdout
         return
     assert "HEAVY []" in done.stderr, done.stderr[-2000:]
+    if "trainer.total_steps=abc" in argv:
+        assert "trainer.total_steps='abc' has the wrong type" in done.stderr, done.stderr[-2000:]
     if argv == ["config"]:
         assert "reward:" in done.stdout, done.stdout[-2000:]
         assert "REWARDS True" in done.stderr, done.stderr[-2000:]
