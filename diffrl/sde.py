@@ -6,7 +6,7 @@ to draw x' and the trainer calls it again on the stored (x, x') to re-score it u
 because both go through the same fp32 code, the recomputed log-prob equals the sampled one exactly
 when the weights are the same (the PPO ratio is exactly 1 before the first update).
 
-Notation (docs/algorithms.md, "SDE steps"): flow matching x_σ = (1 − σ)·x₀ + σ·ε, v ≈ ε − x₀,
+Notation (docs/algorithms.md, "One step, one function"): flow matching x_σ = (1 − σ)·x₀ + σ·ε, v ≈ ε − x₀,
 σ = σ_k, σ' = σ_{k+1}, dt = σ' − σ < 0, η = noise_level, ε ~ N(0, I).
 
 sde (Flow-GRPO)::

@@ -1,7 +1,7 @@
 """GRPO-Guard: Flow-GRPO's PPO clip on a bias-corrected, step-normalised probability ratio.
 
 Reference: GRPO-Guard (arXiv 2510.22319); the formula below is the one VeRL-Omni's `grpo_guard`
-loss mode computes (docs/algorithms.md, "grpo_guard").
+loss mode computes (docs/algorithms.md, "More policy-gradient losses").
 
 For one window step of a micro-batch of B samples, with the current policy's SDE mean μ_θ, the
 old (sampling) policy's mean μ_old, s = `std_dev_t_B` and h = `sqrt_neg_dt_B` = sqrt(−dt):
