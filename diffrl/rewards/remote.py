@@ -5,32 +5,19 @@ another Python environment; the trainer only needs its numbers. The wire format 
 PNG images in base64, never pickle, so a server can be written in any language and a malicious
 peer cannot run code in the trainer.
 
-Protocol (version 1):
-
-    POST <url>/score
-      {"version": 1,
-       "images": ["<base64 PNG>", ...]            # B images, or
-       "videos": [["<base64 PNG>", ...], ...],    # B videos of T frames (exactly one of the two)
-       "prompts": ["...", ...],                   # B strings (in an edit run: the instructions)
-       "metadata": [{...}, ...],                  # B JSON objects
-       "source_images": ["<base64 PNG>", ...],    # optional (edit runs): the batch's distinct
-       "sources": [[0], [0], [1], ...]}           #   source images, each once, and per sample the
-                                                  #   indices of its own, in row order
-    200 -> {"scores": [float x B], "extras": {"name": [per-sample values, B long]}}
-    4xx/5xx -> {"error": "message"}
-    GET <url>/health -> {"status": "ok", "reward": "<spec>", "version": 1, "sources": true|false}
-
-The two source fields are additive: a server whose reward reads source images (`takes_sources`)
-says `"sources": true` in /health, and the client sends them only to such a server (a server
-without the key, an older one, never gets them), so the requests of non-edit scorers are
-unchanged. Source images count toward the server's image and pixel limits; they may have another
-size than the results (each its own).
+The wire format and its protocol (version 1) are `diffrl.rewards.wire`'s.
 
 The client (`HttpReward`) retries connection failures, timeouts, and 429/502/503/504 answers with
 exponential backoff (`backoff * 2**attempt` seconds, capped at `max_backoff`), `retries` times;
 other errors (a 400 for a bad request, a 500 when the remote reward raised) are reported at once
 with the server's message. When every attempt fails it raises `ConnectionError` (unreachable) or
-`TimeoutError` (no complete answer within `timeout` seconds), naming the URL and the fix.
+`TimeoutError` (no complete answer within `timeout` seconds), naming the URL and the fix. A server
+that answers with an error is reachable, and says so: `ScorerAnswered` (a RuntimeError) explains
+the status (401: the token is missing or wrong, naming `token_env`; 403: something in front of the
+scorer refused; 404: args.url is not the server's base address; 5xx: the scorer is failing) and is
+never reported as "cannot reach". A server may answer a request it refuses from its headers (401,
+413) before the body is sent, then close: the client reads that answer instead of reporting the
+broken pipe of its unfinished send.
 
 `timeout` is a deadline for the whole attempt (connect, send, scoring, reading every byte of the
 answer), not a per-read socket timeout: a server that trickles one byte a second, or accepts and
@@ -41,11 +28,10 @@ scores, or non-finite scores is a ValueError naming the server. With `token_env`
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import http.client
-import io
 import json
+import math
 import os
 import socket
 import threading
@@ -54,268 +40,20 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 from diffrl.lazy import lazy_import
-from diffrl.rewards.base import RewardOutput, as_reward_output, check_batch, decode_sources
+from diffrl.rewards.base import RewardOutput, check_batch
 from diffrl.rewards.registry import register_reward
+from diffrl.rewards.wire import decode_response, encode_request
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
-PROTOCOL_VERSION = 1
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+MAX_TIMEOUT_S = 86_400.0  # one attempt of a day is already far past any batch; also below time_t's overflow
+MAX_RETRIES = 100
+MAX_BACKOFF_S = 3600.0
 MAX_RESPONSE_BYTES = 64 << 20  # scores and extras of one batch; anything larger is a broken server
-IMAGE_FORMATS = ("PNG", "JPEG")  # the only decoders a request may reach (PNG is what clients send)
 
 
-class LimitExceeded(ValueError):
-    """A request is over one of the server's limits: `limit` names it (the CLI flag), `value` is its value."""
-
-    def __init__(self, limit: str, value: int | float, message: str, status: int = 413) -> None:
-        super().__init__(f"{message} (limit {limit}={value})")
-        self.limit, self.value, self.status = limit, value, status
-
-
-# ----------------------------------------------------------------------------------- wire format
-def encode_png(frame_3HW: torch.Tensor) -> str:
-    """uint8 [3,H,W] -> base64 PNG (lossless, so the server scores exactly the sampled pixels)."""
-    buffer = io.BytesIO()
-    Image.fromarray(frame_3HW.permute(1, 2, 0).contiguous().numpy(), mode="RGB").save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def decode_png(data: str) -> torch.Tensor:
-    """base64 PNG -> uint8 [3,H,W] RGB."""
-    image = _open_image(data)
-    return _to_chw(image)
-
-
-def pillow_pixel_cap() -> int:
-    """The most pixels `Image.open` accepts: above it Pillow raises DecompressionBombError itself
-    (twice `Image.MAX_IMAGE_PIXELS`, which only warns); None there disables its check."""
-    cap = Image.MAX_IMAGE_PIXELS
-    return 2 * int(cap) if cap is not None else 1 << 62
-
-
-def _open_image(data: Any, index: int = 0, max_image_pixels: int | None = None) -> Image.Image:
-    """A PIL image from base64 with only its header read (the size is known, no pixel decoded yet).
-
-    Pillow's own decompression-bomb check runs in `Image.open`, before the caller can compare the
-    size with its limit: an image it refuses is over `max_image_pixels` too (a server refuses a
-    larger limit when it starts), so the answer names the caller's limit, never Pillow's number."""
-    if not isinstance(data, str):
-        raise ValueError(f"an image must be a base64 string, got {type(data).__name__}")
-    try:
-        return Image.open(io.BytesIO(base64.b64decode(data, validate=True)), formats=IMAGE_FORMATS)
-    except Image.DecompressionBombError as err:
-        if max_image_pixels is None:
-            raise ValueError(f"image {index} is too large to decode: {err}") from err
-        raise LimitExceeded(
-            "max_image_pixels", max_image_pixels, f"image {index} has more than {pillow_pixel_cap()} pixels"
-        ) from err
-    except Exception as err:
-        raise ValueError(f"not a base64-encoded PNG or JPEG: {type(err).__name__}: {err}") from err
-
-
-def _to_chw(image: Image.Image, out_3HW: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode the pixels (RGB) into `out_3HW` (or a new tensor)."""
-    try:
-        array_HW3 = np.asarray(image.convert("RGB"))
-    except Exception as err:
-        raise ValueError(f"image data is corrupt: {type(err).__name__}: {err}") from err
-    if out_3HW is None:
-        return torch.from_numpy(array_HW3.transpose(2, 0, 1).copy())
-    out_3HW.numpy()[...] = array_HW3.transpose(2, 0, 1)  # through a view: no intermediate tensor
-    return out_3HW
-
-
-def encode_request(
-    pixels: torch.Tensor,
-    prompts: Sequence[str],
-    metadata: Sequence[Mapping[str, Any]],
-    sources: Sequence[Sequence[torch.Tensor]] | None = None,
-) -> dict[str, Any]:
-    """The JSON body of POST /score for one batch (checked against the reward contract).
-
-    `sources`: each sample's source images (uint8 [3, H, W]); each distinct tensor is encoded
-    once into "source_images", and "sources" holds each sample's indices into it."""
-    rows = check_batch(pixels, prompts, metadata)
-    pixels = pixels.detach().cpu()
-    body: dict[str, Any] = {"version": PROTOCOL_VERSION, "prompts": list(prompts), "metadata": rows}
-    if pixels.ndim == 4:
-        body["images"] = [encode_png(frame) for frame in pixels]
-    else:
-        body["videos"] = [[encode_png(frame) for frame in video] for video in pixels]
-    if sources is not None:
-        index: dict[int, int] = {}  # id(tensor) -> its place in source_images
-        images: list[str] = []
-        sample_rows = []
-        for row in decode_sources(sources, int(pixels.shape[0])):
-            for image in row:
-                if id(image) not in index:
-                    index[id(image)] = len(images)
-                    images.append(encode_png(image.detach().cpu()))
-            sample_rows.append([index[id(image)] for image in row])
-        body["source_images"], body["sources"] = images, sample_rows
-    return body
-
-
-def _source_indices(body: dict[str, Any], batch: int) -> tuple[list[Any], list[list[int]]] | None:
-    """("source_images", "sources") of a request, checked; None when it has neither."""
-    if "sources" not in body and "source_images" not in body:
-        return None
-    images, rows = body.get("source_images"), body.get("sources")
-    if not isinstance(images, list) or not isinstance(rows, list):
-        raise ValueError(
-            "'source_images' (a list of base64 PNGs) and 'sources' (one list of indices per sample) "
-            "go together"
-        )
-    if len(rows) != batch:
-        raise ValueError(
-            f"'sources' has {len(rows)} rows for {batch} samples; one list of indices per sample"
-        )
-    for i, row in enumerate(rows):
-        if not isinstance(row, list) or not all(
-            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(images) for k in row
-        ):
-            raise ValueError(
-                f"'sources'[{i}] must be a list of indices into 'source_images' (0..{len(images) - 1}), "
-                f"got {str(row)[:100]}"
-            )
-    return images, rows
-
-
-def decode_request(
-    body: Any,
-    *,
-    max_images: int | None = None,
-    max_image_pixels: int | None = None,
-    max_request_pixels: int | None = None,
-    max_prompt_chars: int | None = None,
-    with_sources: bool = True,
-) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
-    """(pixels, prompts, metadata, sources) from a POST /score body; ValueError says what is malformed.
-
-    `sources` is None when the body has none, or when `with_sources` is False (a server whose
-    reward reads no source images ignores them: not one is opened). Otherwise B tuples of uint8
-    [3, H, W] tensors, the samples that name the same source image sharing its tensor.
-
-    The limits (None = unbounded) are checked before any pixel is decoded: counts first, then each
-    image's header (width x height), so a small PNG that claims 8000x8000 costs a few bytes, not
-    192 MB; source images count like the results. `LimitExceeded` (a ValueError) names the limit;
-    the server answers 413 with it. Frames are decoded one by one straight into the batch tensor
-    (no per-frame copies kept).
-    """
-    if not isinstance(body, dict):
-        raise ValueError(f"the request body must be a JSON object, got {type(body).__name__}")
-    if body.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-        raise ValueError(
-            f"protocol version {body.get('version')!r} is not supported (this server: {PROTOCOL_VERSION})"
-        )
-    if ("images" in body) == ("videos" in body):
-        raise ValueError("the request needs exactly one of 'images' (B PNGs) or 'videos' (B lists of PNGs)")
-    prompts, metadata = body.get("prompts"), body.get("metadata")
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise ValueError("'prompts' must be a list of strings")
-    if metadata is None:
-        metadata = [{} for _ in prompts]
-    if not isinstance(metadata, list):
-        raise ValueError("'metadata' must be a list of objects")
-    if "images" in body:
-        items = body["images"]
-        if not isinstance(items, list) or not items:
-            raise ValueError("'images' must be a non-empty list of base64 PNG strings")
-        frames, lead = items, (len(items),)
-    else:
-        items = body["videos"]
-        if not isinstance(items, list) or not items or not all(isinstance(v, list) and v for v in items):
-            raise ValueError("'videos' must be a non-empty list of non-empty lists of base64 PNG strings")
-        if len({len(v) for v in items}) != 1:
-            raise ValueError("all videos of a request must have the same frame count and size")
-        frames, lead = [frame for video in items for frame in video], (len(items), len(items[0]))
-    if len(prompts) != lead[0] or len(metadata) != lead[0]:
-        raise ValueError(
-            f"{lead[0]} samples but {len(prompts)} prompts and {len(metadata)} metadata rows; one of each per sample"
-        )
-    given = _source_indices(body, lead[0]) if with_sources else None
-    source_data = given[0] if given is not None else []
-    if max_images is not None and len(frames) + len(source_data) > max_images:
-        raise LimitExceeded(
-            "max_images",
-            max_images,
-            f"{len(frames) + len(source_data)} images (video frames and source images count) in one request",
-        )
-    if max_prompt_chars is not None:
-        longest = max((len(p) for p in prompts), default=0)
-        if longest > max_prompt_chars:
-            raise LimitExceeded("max_prompt_chars", max_prompt_chars, f"a prompt of {longest} characters")
-    # Every header first (results, then source images), so the limits hold before any pixel decodes.
-    opened = []
-    total_pixels = 0
-    for index, data in enumerate([*frames, *source_data]):
-        what = f"image {index}" if index < len(frames) else f"source image {index - len(frames)}"
-        image = _open_image(data, index, max_image_pixels)
-        width, height = image.size
-        if max_image_pixels is not None and width * height > max_image_pixels:
-            raise LimitExceeded(
-                "max_image_pixels", max_image_pixels, f"{what} is {width}x{height} = {width * height} pixels"
-            )
-        total_pixels += width * height
-        if max_request_pixels is not None and total_pixels > max_request_pixels:
-            raise LimitExceeded(
-                "max_request_pixels",
-                max_request_pixels,
-                f"the images up to {what} hold {total_pixels} pixels (source images count)",
-            )
-        if index < len(frames) and opened and image.size != opened[0].size:
-            raise ValueError(
-                f"all images of a request must have the same size: image {index} is {width}x{height}, "
-                f"image 0 is {opened[0].size[0]}x{opened[0].size[1]}"
-            )
-        opened.append(image)
-    images, source_images = opened[: len(frames)], opened[len(frames) :]
-    width, height = images[0].size
-    pixels = torch.empty((len(images), 3, height, width), dtype=torch.uint8)
-    for index, image in enumerate(images):
-        _to_chw(image, pixels[index])
-        images[index] = None  # type: ignore[call-overload]  # free the compressed bytes as we go
-    pixels = pixels.reshape(*lead, 3, height, width)
-    rows = check_batch(pixels, prompts, metadata)
-    if given is None:
-        return pixels, prompts, rows, None
-    decoded = [_to_chw(image) for image in source_images]
-    return pixels, prompts, rows, [tuple(decoded[k] for k in row) for row in given[1]]
-
-
-def encode_response(output: RewardOutput) -> dict[str, Any]:
-    """The JSON answer to POST /score."""
-    return {
-        "scores": output.scores_B.tolist(),
-        "extras": {key: value.tolist() for key, value in output.extras.items()},
-    }
-
-
-def decode_response(body: Any, batch_size: int, name: str) -> RewardOutput:
-    """A checked `RewardOutput` from a POST /score answer."""
-    if not isinstance(body, dict) or "scores" not in body:
-        raise ValueError(f"reward {name!r}: the server's answer has no 'scores': {str(body)[:200]}")
-    extras = body.get("extras") or {}
-    if not isinstance(extras, dict):
-        raise ValueError(
-            f"reward {name!r}: the server's 'extras' must be an object, got {type(extras).__name__}"
-        )
-    try:
-        output = RewardOutput(
-            torch.tensor(body["scores"], dtype=torch.float32),
-            {key: torch.tensor(value) for key, value in extras.items()},
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"reward {name!r}: the server's answer is not numeric: {err}") from err
-    return as_reward_output(output, batch_size, name)
-
-
-# ---------------------------------------------------------------------------------------- client
 @register_reward("http")
 class HttpReward:
     """Client of a remote scorer speaking the protocol above.
@@ -343,24 +81,38 @@ class HttpReward:
         max_backoff: float = 30.0,
         token_env: str | None = None,
     ) -> None:
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
+        try:
+            valid_url = parsed is not None and parsed.scheme in ("http", "https") and bool(parsed.hostname)
+            valid_url = valid_url and parsed.port != 0  # .port raises ValueError past 65535
+        except ValueError:
+            valid_url = False
+        if not valid_url:
             raise ValueError(
-                f"http reward: url={url!r} is invalid: use http://HOST:PORT (the address `diffrl serve-reward` prints)"
+                f"http reward: url={url!r} is invalid: use http://HOST:PORT with a port from 1 to 65535 "
+                "(the address `diffrl serve-reward` prints)"
             )
-        if timeout <= 0:
-            raise ValueError(f"http reward: timeout={timeout!r} is invalid: must be > 0 seconds")
-        if retries < 0:
-            raise ValueError(f"http reward: retries={retries!r} is invalid: must be >= 0")
-        if backoff < 0 or max_backoff < 0:
-            raise ValueError(f"http reward: backoff={backoff!r}, max_backoff={max_backoff!r} must be >= 0")
+        _check_seconds("timeout", timeout, MAX_TIMEOUT_S, positive=True)
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+            raise ValueError(
+                f"http reward: retries={retries!r} is invalid: use a whole number from 0 to {MAX_RETRIES}"
+            )
+        _check_seconds("backoff", backoff, MAX_BACKOFF_S, positive=False)
+        _check_seconds("max_backoff", max_backoff, MAX_BACKOFF_S, positive=False)
         self.token: str | None = None
+        self.token_env = token_env
         if token_env is not None:
             self.token = os.environ.get(token_env)
             if not self.token:
                 raise ValueError(
                     f"http reward: token_env={token_env!r} names an environment variable that is not set "
                     f"(or empty): export {token_env}=<the token the server was started with>"
+                )
+            if not self.token.isascii() or not self.token.isprintable() or " " in self.token:
+                raise ValueError(
+                    f"http reward: the token in {token_env} has spaces, control or non-ASCII characters, "
+                    "which no server's token can have (an HTTP header could not carry it): set "
+                    f"{token_env} to the exact token the server was started with"
                 )
         self.url = url.rstrip("/")
         self._parsed = urllib.parse.urlparse(self.url)
@@ -397,8 +149,12 @@ class HttpReward:
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
-            conn.request(method, f"{self._parsed.path}{path}", body=body, headers=headers)
-            response = conn.getresponse()
+            try:
+                conn.request(method, f"{self._parsed.path}{path}", body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError) as send_error:
+                response = _answer_before_the_body_was_sent(conn, send_error)
+            else:
+                response = conn.getresponse()
             chunks, size = [], 0
             while chunk := response.read(1 << 16):
                 size += len(chunk)
@@ -442,13 +198,13 @@ class HttpReward:
                 continue
             if status == 200:
                 return _parse_json(data, endpoint)
-            message = _error_message(data)
+            last, timed_out = self._answered(endpoint, status, data), False
             if status in RETRY_STATUSES:
-                last, timed_out = RuntimeError(f"HTTP {status}: {message}"), False
                 continue
-            hint = " (set args.token_env to the variable holding the server's token)" if status == 401 else ""
-            raise RuntimeError(f"http reward: {endpoint} answered HTTP {status}: {message}{hint}")
+            raise last
         tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
+        if isinstance(last, ScorerAnswered):  # it answered, only not with scores: not "cannot reach"
+            raise ScorerAnswered(f"{last} ({tries})", last.status) from None
         if timed_out:
             raise TimeoutError(
                 f"http reward: {endpoint} did not answer within timeout={self.timeout:g} s ({tries}). If the "
@@ -467,11 +223,53 @@ class HttpReward:
         except (OSError, http.client.HTTPException) as err:
             raise ConnectionError(f"http reward: cannot reach {endpoint}: {_reason(err)}") from err
         if status != 200:
-            raise RuntimeError(f"http reward: {endpoint} answered HTTP {status}: {_error_message(data)}")
+            raise self._answered(endpoint, status, data)
         answer = _parse_json(data, endpoint)
         if isinstance(answer, dict):  # the start-up probe answers `server_takes_sources` too
             self._server_takes_sources = answer.get("sources") is True
         return answer
+
+    def _answered(self, endpoint: str, status: int, data: bytes) -> ScorerAnswered:
+        """The error for an answer other than 200: what the status means here, and what to change."""
+        said = f"http reward: {endpoint} answered HTTP {status}: {_error_message(data)}"
+        if status == 401 and self.token_env is None:
+            fix = (
+                "the scorer requires a token and this client sends none: set args.token_env to the name "
+                "of an environment variable holding the server's token (the server reads it from "
+                "DIFFRL_REWARD_TOKEN, or from the variable its --token-env names)"
+            )
+        elif status == 401:
+            fix = (
+                f"the token in the environment variable {self.token_env} (args.token_env) is not the "
+                "server's: set it to the value the server was started with (its DIFFRL_REWARD_TOKEN, or "
+                "the variable its --token-env names)"
+            )
+        elif status == 403:
+            fix = (
+                "`diffrl serve-reward` never answers 403, so something else at args.url refused the "
+                "request (a proxy's access rules, another service on that port): check args.url and "
+                "what is in front of the scorer"
+            )
+        elif status == 404:
+            fix = (
+                f"args.url={self.url!r} has no {endpoint.removeprefix(self.url)}: it must be the server's "
+                "base address as `diffrl serve-reward` prints it (http://HOST:PORT, no path), and no other "
+                "service may listen on that port"
+            )
+        elif status == 500:
+            fix = "the scorer is running but its reward raised: the traceback is in the server's log"
+        elif status in (502, 504):
+            fix = "a proxy in front of the scorer could not get an answer from it: check that the scorer runs"
+        elif status in (429, 503):
+            fix = (
+                "the scorer is running but busy (the answer names the limit): raise args.retries or "
+                "args.backoff, send smaller batches, or raise that limit on the server"
+            )
+        elif status >= 500:
+            fix = "the scorer (or a proxy in front of it) is running but failing: see its log"
+        else:
+            return ScorerAnswered(said, status)  # a 4xx about the request: the server's message says it
+        return ScorerAnswered(f"{said}. {fix[0].upper()}{fix[1:]}", status)
 
     def server_takes_sources(self) -> bool:
         """Whether the server's reward reads source images (its /health says `"sources": true`),
@@ -498,6 +296,37 @@ class HttpReward:
         except TypeError as err:
             raise ValueError(f"http reward: metadata must be JSON-serialisable to send it: {err}") from err
         return decode_response(self._post(body), int(pixels.shape[0]), f"http {self.url}")
+
+
+class ScorerAnswered(RuntimeError):
+    """The scorer's URL answered, with an HTTP error status: it is reachable, so this is never a
+    "cannot reach, start it" error; the message says what the status means and what to change."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _answer_before_the_body_was_sent(
+    conn: http.client.HTTPConnection, send_error: OSError
+) -> http.client.HTTPResponse:
+    """The answer a server sent before it closed on a body still being sent (it refused the
+    request from its headers: 401, 413): read from what has arrived; without one, `send_error`."""
+    try:
+        return conn.getresponse()
+    except (OSError, http.client.HTTPException):
+        raise send_error from None
+
+
+def _check_seconds(name: str, value: Any, most: float, *, positive: bool) -> None:
+    """`value` is a finite number of seconds from 0 (excluded when `positive`) to `most`."""
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if number and (value > 0 if positive else value >= 0) and value <= most:
+        return
+    low = "above 0" if positive else "from 0"
+    raise ValueError(
+        f"http reward: {name}={value!r} is invalid: use a finite number of seconds {low} to {most:g}"
+    )
 
 
 def _parse_json(data: bytes, endpoint: str) -> Any:

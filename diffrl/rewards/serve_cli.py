@@ -14,6 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 from diffrl.rewards.server import TOKEN_ENV, ServerLimits, serve_reward
+from diffrl.rewards.server_limits import LIMIT_RANGES, check_token
 
 
 def parse_key_values(items: Sequence[str]) -> dict[str, Any]:
@@ -42,18 +43,34 @@ Rewards and their args, the limits and what they protect: docs/rewards.md
 
 # flag name -> help; every ServerLimits field is one flag with its default shown.
 LIMIT_HELP = {
-    "max_connections": "open connections at once; more are answered 503 at once",
+    "max_connections": "open connections at once; more are answered 503 at once, unless a connection "
+    "still sending its headers (or refused and closing) can give its slot up: the oldest such is dropped",
+    "max_connections_per_client": "connections from one client address still sending their request (all "
+    "local clients are one address, 127.0.0.1; an IPv6 /64 is one); more get 503 at once, unless one "
+    "of them is still sending its headers: that one is dropped for the new one",
     "max_concurrent_requests": "requests decoded or scored at once (a body is received first); more get 503",
     "read_timeout": "seconds to receive a whole request (headers and body); slower clients are cut off",
     "max_body_bytes": "request body size in bytes (413 beyond)",
     "max_receiving_bytes": "body bytes received at once, summed over requests still receiving theirs "
     "(503 beyond; a slow client counts the bytes it sent)",
+    "max_receiving_bytes_per_client": "the same, over the requests of one client address (503 beyond)",
     "max_json_items": "JSON values in a request body (413 beyond)",
     "max_images": "images per request, video frames and source images counted (413 beyond)",
     "max_image_pixels": "width x height of one image, read from its header before decoding (413 beyond)",
     "max_request_pixels": "width x height summed over a request's images, source images included (413 beyond)",
     "max_prompt_chars": "characters in one prompt (413 beyond)",
 }
+
+
+def _default_text(name: str, default: Any, derived: bool) -> str:
+    if not derived:
+        return str(default)
+    share = (
+        "a quarter of --max-connections"
+        if name == "max_connections_per_client"
+        else ("half of --max-receiving-bytes, at least --max-body-bytes")
+    )
+    return f"{share}: {default} with the defaults"
 
 
 def limits_from_args(ns: argparse.Namespace) -> ServerLimits:
@@ -71,6 +88,8 @@ def token_from_args(ns: argparse.Namespace) -> str | None:
             f"--token-env {ns.token_env} names an environment variable that is not set (or empty): "
             f"export {ns.token_env}=<a long random string>"
         )
+    if token:
+        check_token(token, ns.token_env)
     return token or None
 
 
@@ -112,12 +131,17 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     defaults = ServerLimits()
     for f in fields(ServerLimits):
         default = getattr(defaults, f.name)
+        valid = LIMIT_RANGES[f.name]
+        # A per-client share left unset follows its total (a quarter / half of it), so it is None
+        # here and resolved by ServerLimits; the help shows what it comes to with the defaults.
+        derived = getattr(ServerLimits, f.name) is None
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
-            type=type(default),
-            default=default,
-            help=f"{LIMIT_HELP[f.name]} (default {default})",
+            type=int if valid.integer else float,
+            default=None if derived else default,
+            help=f"{LIMIT_HELP[f.name]} (default {_default_text(f.name, default, derived)}; "
+            f"{valid.low:,} to {valid.high:,})",
         )
     parser.set_defaults(func=cmd_serve_reward)
     return parser

@@ -5,20 +5,31 @@
     diffrl serve-reward my_rewards:brightness target=0.5
 
 The trainer then uses `reward.functions.http.args.url=http://HOST:PORT`. The protocol is the one in
-`diffrl.rewards.remote` (JSON, base64 PNG, never pickle). The server is the standard library's
+`diffrl.rewards.wire` (JSON, base64 PNG, never pickle). The server is the standard library's
 `ThreadingHTTPServer`; scoring is serialised through a lock, since a reward model on one GPU gains
 nothing from concurrent calls and most rewards are not thread-safe. Batch on the client side.
 
 A peer can be hostile or broken, so every resource a request can take is bounded (`ServerLimits`,
-one CLI flag each): connections, requests decoded/scored at once, body bytes being received, the
-body, JSON items, images, pixels per image and per request (read from the PNG header before any
-pixel is decoded; an edit run's source images count), prompt length, and a deadline on reading each request as a whole (a client trickling bytes is cut
-off). Rejections are answered at once with 4xx/503 and `{"error", "limit", "value"}`. With a token
-(`--token-env` or DIFFRL_REWARD_TOKEN) every request needs `Authorization: Bearer <token>`. The
-default host is 127.0.0.1 (this machine only). A request's body is received before it takes one of
-the `max_concurrent_requests` slots (decoding and scoring), so clients that send slowly hold only a
-connection each. Peak memory is about `max_receiving_bytes + max_concurrent_requests x
-(3 x max_body_bytes + 3 x max_request_pixels)` plus the reward model.
+one CLI flag each, checked at start: `server_limits`): connections (in all, and from one client
+address while they send their request), requests decoded/scored at once, body bytes being
+received (in all, and from one client address), the body, JSON items, images, pixels per image and
+per request (read from the PNG header before any pixel is decoded; an edit run's source images
+count), prompt length, and a deadline on reading each request as a whole (a client trickling bytes
+is cut off). Rejections are answered at once with 4xx/503 and `{"error", "limit", "value"}`.
+
+Slow clients, and who they can keep out (`server_admission` keeps the counts):
+- A request refused from its headers (401, 404, 411, 413, 415) is answered and its connection
+  closed without reading its body, so a client without the token holds its thread for a moment
+  (`REFUSED_LINGER_S`), not for the read deadline.
+- A connection still sending its headers gives its slot up to a new connection when none is free,
+  oldest first, so clients trickling their headers cannot keep out one that sends its request.
+- A request's body is received before it takes one of the `max_concurrent_requests` slots, so
+  clients that send their body slowly hold only a connection each, and one address at most
+  `max_connections_per_client` of those (all local clients are one address, 127.0.0.1).
+With a token (`--token-env` or DIFFRL_REWARD_TOKEN) every request needs `Authorization: Bearer
+<token>`. The default host is 127.0.0.1 (this machine only). Peak memory is about
+`max_receiving_bytes + max_concurrent_requests x (3 x max_body_bytes + 3 x max_request_pixels)`
+plus the reward model.
 
 Importing this module imports only the standard library (`diffrl --help` builds the parser in
 `serve_cli`, which imports this), and the reward stack (torch, the models) loads when a server is made.
@@ -26,6 +37,7 @@ Importing this module imports only the standard library (`diffrl --help` builds 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import io
 import json
@@ -34,11 +46,14 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+from diffrl.rewards.server_admission import ByteBudget, Connection, ConnectionTable, Refusal, client_key
+from diffrl.rewards.server_limits import ServerLimits, bind_fix, check_settings, listening_family
 
 if TYPE_CHECKING:
     from diffrl.rewards.base import Reward
@@ -46,38 +61,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "DIFFRL_REWARD_TOKEN"
-PROTOCOL_VERSION = 1  # same as diffrl.rewards.remote.PROTOCOL_VERSION (a test checks they agree)
+PROTOCOL_VERSION = 1  # same as diffrl.rewards.wire.PROTOCOL_VERSION (a test checks they agree)
+#: After refusing a request from its headers, what the server still reads of a body already on its
+#: way before closing: a small body sent with the headers (most clients send both in one write) is
+#: consumed, so that client reads its 401/413 instead of a reset; a large one is cut off.
+REFUSED_LINGER_BYTES = 64 << 10
+REFUSED_LINGER_S = 0.25
 
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one peer may take from the server; each field is a `diffrl serve-reward` flag.
-
-    Defaults fit a batch of 64 images of 1024x1024 (or an 81-frame 480x832 video) in one request.
-    """
-
-    max_connections: int = 64  # open connections (one thread each); more are answered 503 at once
-    max_concurrent_requests: int = 4  # requests whose body has arrived, being decoded or scored; 503 beyond
-    read_timeout: float = 60.0  # seconds to receive a request's headers and body, in total
-    max_body_bytes: int = 64 << 20  # 64 MiB
-    max_receiving_bytes: int = 256 << 20  # body bytes received, over every request still receiving its body
-    max_json_items: int = 100_000  # JSON values (bounds json.loads's memory, ~60 bytes per value)
-    max_images: int = 256  # images per request; video frames and source images count
-    max_image_pixels: int = 4096 * 4096
-    max_request_pixels: int = 1 << 26  # 64 Mi pixels = 192 MiB of RGB
-    max_prompt_chars: int = 8192
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not value > 0:
-                raise ValueError(f"reward server: {f.name}={value!r} is invalid: must be > 0")
-        if self.max_receiving_bytes < self.max_body_bytes:
-            raise ValueError(
-                f"reward server: max_receiving_bytes={self.max_receiving_bytes} is below "
-                f"max_body_bytes={self.max_body_bytes}, so a body of the allowed size could never be "
-                "received: raise --max-receiving-bytes or lower --max-body-bytes"
-            )
+__all__ = ["TOKEN_ENV", "RewardHTTPServer", "RunningRewardServer", "ServerLimits", "make_reward_server"]
 
 
 class RewardHTTPServer(ThreadingHTTPServer):
@@ -94,60 +85,67 @@ class RewardHTTPServer(ThreadingHTTPServer):
         token: str | None = None,
     ) -> None:
         from diffrl.rewards.base import takes_sources
-        from diffrl.rewards.remote import pillow_pixel_cap
 
+        self.limits = limits or ServerLimits()
+        self.token = token or None
+        check_settings(address[0], address[1], self.limits, self.token)
         self.reward = reward
         self.spec = spec
         #: Whether the reward reads an edit run's source images: /health says so, and only then
         #: are a request's source images decoded (and counted toward the limits).
         self.takes_sources = takes_sources(reward)
-        self.limits = limits or ServerLimits()
-        if self.limits.max_image_pixels > pillow_pixel_cap():
-            raise ValueError(
-                f"reward server: max_image_pixels={self.limits.max_image_pixels} is above what Pillow "
-                f"opens ({pillow_pixel_cap()} pixels, twice PIL.Image.MAX_IMAGE_PIXELS): lower "
-                "--max-image-pixels, or raise PIL.Image.MAX_IMAGE_PIXELS in the serving process"
-            )
-        self.token = token or None
         self.score_lock = threading.Lock()
-        self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self.connections = ConnectionTable(
+            self.limits.max_connections, self.limits.max_connections_per_client
+        )
         self.request_slots = threading.BoundedSemaphore(self.limits.max_concurrent_requests)
-        self.receiving = _ByteBudget(self.limits.max_receiving_bytes)
+        self.receiving = ByteBudget(
+            self.limits.max_receiving_bytes, self.limits.max_receiving_bytes_per_client
+        )
+        self.address_family = listening_family(address[0])  # the class default is IPv4
+        # Connections waiting to be accepted: socketserver's default of 5 drops the SYNs of a burst
+        # (a client then waits 1-3 s for its retransmit); the kernel caps this at net.core.somaxconn.
+        self.request_queue_size = socket.SOMAXCONN
         super().__init__(address, RewardRequestHandler)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Start a handler thread only while under `max_connections`; else answer 503 right here."""
-        if not self.connection_slots.acquire(blocking=False):
-            _refuse(request, self.limits.max_connections)
+        """Start a handler thread if `ConnectionTable.admit` finds the connection a slot (taking
+        one from a connection still sending its headers if need be); else answer 503 right here."""
+        admitted = self.connections.admit(request, client_key(client_address[0]))
+        if isinstance(admitted, Refusal):
+            _refuse(request, admitted.message, admitted.limit, admitted.value)
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.connection_slots.release()
+            self.connections.close(admitted)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        connection = self.connections.get(request)
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.connection_slots.release()
+            self.connections.close(connection)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A handler's exception: a connection dropped for a newer one fails its reads and writes,
+        which is expected and logged quietly; anything else as the standard library does."""
+        if self.connections.get(request).evicted:
+            logger.debug("connection from %s ended after it was dropped", client_address[0])
+            return
+        super().handle_error(request, client_address)
 
 
-def _refuse(sock: socket.socket, max_connections: int) -> None:
+def _refuse(sock: socket.socket, message: str, limit: str, value: int) -> None:
     """A complete 503 answer written without reading the request (the accept loop must not block)."""
-    body = json.dumps(
-        {
-            "error": f"too many connections: the server holds at most {max_connections}; retry later",
-            "limit": "max_connections",
-            "value": max_connections,
-        }
-    ).encode()
+    body = json.dumps({"error": message, "limit": limit, "value": value}).encode()
     head = (
         "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
@@ -157,26 +155,6 @@ def _refuse(sock: socket.socket, max_connections: int) -> None:
         sock.sendall(head + body)
     except OSError:
         pass  # the peer is gone or not reading: it was refused either way
-
-
-class _ByteBudget:
-    """Body bytes held by requests still receiving theirs, over all connections: a connection
-    counts what has arrived, not what it announced, so a client trickling its body holds the few
-    bytes it sent, and clients sending fast cannot together hold more than the total."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.used, self.lock = total, 0, threading.Lock()
-
-    def take(self, count: int) -> bool:
-        with self.lock:
-            if self.used + count > self.total:
-                return False
-            self.used += count
-            return True
-
-    def give(self, count: int) -> None:
-        with self.lock:
-            self.used -= count
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -201,6 +179,14 @@ class _DeadlineReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
+class _BodyRefused(Exception):
+    """A body refused while it arrived: the answer, and how many announced bytes were not read."""
+
+    def __init__(self, error: Rejected, unread: int) -> None:
+        super().__init__(str(error))
+        self.error, self.unread = error, unread
+
+
 class Rejected(Exception):
     """An answer other than 200, with the limit it enforces (if any)."""
 
@@ -222,8 +208,11 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.record: Connection = self.server.connections.get(self.request)
+        self.client = self.record.client  # what its per-client shares are counted under
         self.rfile.close()  # replaced by a reader whose deadline covers the request line, headers and body
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self.server.limits.read_timeout))
+        self.reader = _DeadlineReader(self.connection, self.server.limits.read_timeout)
+        self.rfile = io.BufferedReader(self.reader)
 
     def _answer(self, status: int, body: Mapping[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -257,7 +246,39 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                 "(the http reward's args.token_env names the variable holding it)",
             )
 
+    def _refuse_and_close(self, err: Rejected, unread: int) -> None:
+        """Answer `err` and end the connection without reading the `unread` body bytes the client
+        may still be sending (a request refused from its headers, or cut off mid-body).
+
+        The answer is followed at once by the end of the stream (shutdown for writing), so the
+        client sees both now; then at most REFUSED_LINGER_BYTES already on their way are read,
+        for REFUSED_LINGER_S at most, so a small body sent along with the headers does not turn
+        the answer into a reset; closing with more unread resets the connection, which stops a
+        client still sending (it can read the answer, already received: the http reward does)."""
+        self._answer(err.status, err.body())
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_WR)
+        self.server.connections.refused(self.record)  # a new connection may take its slot from now
+        self.reader.deadline = min(self.reader.deadline, time.monotonic() + REFUSED_LINGER_S)
+        left = min(unread, REFUSED_LINGER_BYTES)
+        try:
+            while left > 0 and (chunk := self.rfile.read1(left)):
+                left -= len(chunk)
+        except OSError:  # TimeoutError included: the linger's deadline passed
+            pass
+
+    def _announced_length(self) -> int:
+        """The body length the headers announce (0 when absent or unusable): what a refusal leaves unread."""
+        return _content_length(self.headers.get("Content-Length", "0")) or 0
+
+    def parse_request(self) -> bool:
+        """The standard library's parsing of the request line and headers; then the connection
+        leaves the phase in which a newer one may take its slot (False if one already has)."""
+        return super().parse_request() and self.server.connections.headers_arrived(self.record)
+
     def do_GET(self) -> None:
+        self.server.connections.request_arrived(self.record)  # a GET has no body
         try:
             self._check_token()
             if self.path.rstrip("/") != "/health":
@@ -265,7 +286,7 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                     HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: use POST /score, GET /health"
                 )
         except Rejected as err:
-            self._answer(err.status, err.body())
+            self._refuse_and_close(err, self._announced_length())
             return
         self._answer(
             HTTPStatus.OK,
@@ -284,16 +305,18 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
                 raise Rejected(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: use POST /score")
             length = self._check_headers()
         except Rejected as err:
-            self._answer(err.status, err.body())
-            self._discard_body(_content_length(self.headers.get("Content-Length", "0")) or 0)
+            # Refused from its headers (the token, the path, the type or size): the body is never
+            # read, so a client without the token cannot hold this thread while it sends one.
+            self._refuse_and_close(err, self._announced_length())
             return
         try:
             # The body arrives before the request takes a slot: clients still sending (slowly, or
             # never) hold a connection each, never one of the few requests that decode and score.
             raw = self._receive_body(length)
-        except Rejected as err:
-            self._answer(err.status, err.body())
+        except _BodyRefused as refused:
+            self._refuse_and_close(refused.error, refused.unread)
             return
+        self.server.connections.request_arrived(self.record)
         if not self.server.request_slots.acquire(blocking=False):
             limit = self.server.limits.max_concurrent_requests
             del raw
@@ -313,8 +336,9 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
             self.server.request_slots.release()
 
     def _receive_body(self, length: int) -> bytes:
-        """The whole body, within the connection's read deadline; `Rejected` 408 (deadline), 400
-        (the body ended short) or 503 (`max_receiving_bytes` is held by other requests' bodies)."""
+        """The whole body, within the connection's read deadline; `_BodyRefused` with 408
+        (deadline), 400 (the body ended short) or 503 (the body bytes being received, in all or
+        from this client's address, are at `max_receiving_bytes` / `max_receiving_bytes_per_client`)."""
         limits, receiving = self.server.limits, self.server.receiving
         chunks: list[bytes] = []
         received = 0
@@ -322,42 +346,26 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
             while received < length:
                 chunk = self.rfile.read1(min(length - received, 1 << 16))
                 if not chunk:
-                    self.close_connection = True
-                    raise Rejected(HTTPStatus.BAD_REQUEST, f"body ended after {received} of {length} bytes")
-                if not receiving.take(len(chunk)):
-                    left = length - received - len(chunk)
-                    receiving.give(received)
-                    received = 0
-                    chunks.clear()
-                    self._discard_body(left)
-                    raise Rejected(
+                    error = Rejected(HTTPStatus.BAD_REQUEST, f"body ended after {received} of {length} bytes")
+                    raise _BodyRefused(error, 0)
+                if (over := receiving.take(self.client, len(chunk))) is not None:
+                    who = "this client's" if over == "max_receiving_bytes_per_client" else "all"
+                    error = Rejected(
                         HTTPStatus.SERVICE_UNAVAILABLE,
-                        f"busy: other requests' bodies being received hold {limits.max_receiving_bytes} "
-                        "bytes; retry later",
-                        "max_receiving_bytes",
-                        limits.max_receiving_bytes,
+                        f"busy: {who} request bodies being received hold {getattr(limits, over)} bytes; "
+                        "retry later",
+                        over,
+                        getattr(limits, over),
                     )
+                    raise _BodyRefused(error, length - received - len(chunk))
                 received += len(chunk)
                 chunks.append(chunk)
             return b"".join(chunks)
         except TimeoutError as err:
-            self.close_connection = True
-            raise Rejected(HTTPStatus.REQUEST_TIMEOUT, str(err), "read_timeout", limits.read_timeout) from err
+            error = Rejected(HTTPStatus.REQUEST_TIMEOUT, str(err), "read_timeout", limits.read_timeout)
+            raise _BodyRefused(error, length - received) from err
         finally:
-            receiving.give(received)
-
-    def _discard_body(self, left: int) -> None:
-        """Read (and drop) the `left` bytes the client still sends, until the read deadline at most.
-
-        Closing a socket with unread input resets the connection, and a client still sending its
-        body then sees 'broken pipe' instead of the answer already written for it.
-        """
-        try:
-            while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
-                left -= len(chunk)
-        except OSError:  # TimeoutError included: the deadline bounds this like any other read
-            pass
-        self.close_connection = True
+            receiving.give(self.client, received)
 
     def _check_headers(self) -> int:
         """The body's length, once Content-Type and Content-Length are acceptable."""
@@ -384,7 +392,7 @@ class RewardRequestHandler(BaseHTTPRequestHandler):
 
     def _score(self, raw: bytes) -> None:
         from diffrl.rewards.base import call_reward
-        from diffrl.rewards.remote import LimitExceeded, decode_request, encode_response
+        from diffrl.rewards.wire import LimitExceeded, decode_request, encode_response
 
         limits = self.server.limits
         start = time.perf_counter()
@@ -482,6 +490,8 @@ def make_reward_server(
     """
     from diffrl.rewards.registry import build_reward
 
+    limits = limits or ServerLimits()
+    check_settings(host, port, limits, token or None)  # before the reward's models load
     if isinstance(reward, str):
         spec, reward_obj = reward, build_reward(reward, args)
     else:
@@ -492,10 +502,8 @@ def make_reward_server(
         spec, reward_obj = getattr(reward, "name", type(reward).__name__), reward
     try:
         return RewardHTTPServer((host, port), reward_obj, spec, limits, token)
-    except OSError as err:
-        raise ValueError(
-            f"cannot listen on {host}:{port}: {err.strerror or err}. Pick another --port (or --port 0 for any free one)"
-        ) from err
+    except OSError as err:  # taken since check_settings bound it (another process was quicker)
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}. {bind_fix(err)}") from err
 
 
 def start_reward_server(

@@ -22,10 +22,10 @@ from edit_images import condition_image
 
 import diffrl
 from diffrl.rewards import MultiReward, build_reward
-from diffrl.rewards import remote as remote_module
+from diffrl.rewards import wire as wire_module
 from diffrl.rewards.base import call_reward
-from diffrl.rewards.remote import decode_request, encode_request
 from diffrl.rewards.server import ServerLimits, start_reward_server
+from diffrl.rewards.wire import decode_request, encode_request
 
 HELPERS = Path(reward_test_helpers.__file__).parent
 REPO = Path(diffrl.__file__).parent.parent
@@ -114,13 +114,13 @@ def test_served_edit_rewards_score_as_they_do_locally():
 
 def test_sources_go_only_to_servers_whose_reward_reads_them(monkeypatch):
     bodies = []
-    original = remote_module.decode_request
+    original = wire_module.decode_request
 
     def recording(body, **kwargs):
         bodies.append(sorted(body))
         return original(body, **kwargs)
 
-    monkeypatch.setattr(remote_module, "decode_request", recording)
+    monkeypatch.setattr(wire_module, "decode_request", recording)
     pixels, prompts, sources = _batch()
     with start_reward_server("jpeg_compressibility") as server:
         client = build_reward("http", {"url": server.url, "timeout": 10})

@@ -3,6 +3,7 @@ slow clients are cut off at the read deadline, and memory stays bounded under a 
 
 import base64
 import contextlib
+import http.client
 import io
 import json
 import os
@@ -12,20 +13,20 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
 from PIL import Image
 
 from diffrl.rewards import build_reward
-from diffrl.rewards.remote import PROTOCOL_VERSION as CLIENT_PROTOCOL
-from diffrl.rewards.remote import encode_request
+from diffrl.rewards.remote import ScorerAnswered
 from diffrl.rewards.server import PROTOCOL_VERSION, ServerLimits, start_reward_server
+from diffrl.rewards.wire import PROTOCOL_VERSION as CLIENT_PROTOCOL
+from diffrl.rewards.wire import encode_request
 
 SMALL = ServerLimits(
     max_connections=8,
+    max_connections_per_client=4,
     max_concurrent_requests=2,
     read_timeout=1.5,
     max_body_bytes=4 << 20,
@@ -54,27 +55,36 @@ def _body(images, prompts=None, **extra) -> bytes:
     return json.dumps({"version": 1, "images": images, "prompts": prompts, **extra}).encode()
 
 
-def _post(url, data: bytes, content_type="application/json", token=None, timeout=10):
-    """(status, JSON answer) of POST /score."""
+def _post(url, data: bytes, content_type="application/json", token=None, timeout=10, source="127.0.0.1"):
+    """(status, JSON answer) of POST /score, sent from the loopback address `source`.
+
+    A request refused from its headers is answered before its body has been read, and the
+    connection closed: a client still sending a large body then gets a broken pipe, with the
+    answer already received; it is read from there (what the `http` reward does too)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout, source_address=(source, 0))
     headers = {"Content-Type": content_type}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(f"{url}/score", data=data, method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            conn.request("POST", "/score", body=data, headers=headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
 
 
-def _connect(url) -> socket.socket:
+def _connect(url, source="127.0.0.1") -> socket.socket:
+    """A connection from the loopback address `source` (Linux answers all of 127/8 on loopback,
+    so each address is another client to the server)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
+    return socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
 
 
-def _half_sent(url, length=1000) -> socket.socket:
+def _half_sent(url, length=1000, source="127.0.0.1") -> socket.socket:
     """Headers announcing a body that never comes."""
-    sock = _connect(url)
+    sock = _connect(url, source)
     sock.sendall(
         f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{".encode()
     )
@@ -157,7 +167,7 @@ def test_an_image_over_pillows_own_cap_is_refused_with_the_servers_limit():
         assert f"max_image_pixels={limits.max_image_pixels}" in answer["error"]
         assert "image 1" in answer["error"] and str(Image.MAX_IMAGE_PIXELS) not in answer["error"]
     # a limit above what Pillow opens could never be honoured: refused when the server starts
-    with pytest.raises(ValueError, match=rf"max_image_pixels={pillow_cap + 1} is above what Pillow opens"):
+    with pytest.raises(ValueError, match=rf"--max-image-pixels {pillow_cap + 1} is above what Pillow opens"):
         start_reward_server("jpeg_compressibility", limits=ServerLimits(max_image_pixels=pillow_cap + 1))
 
 
@@ -171,6 +181,19 @@ def test_token_is_required_and_compared(monkeypatch):
         assert status == 200 and len(answer["scores"]) == 2
         with pytest.raises(RuntimeError, match=r"HTTP 401.*args.token_env"):
             build_reward("http", {"url": server.url, "retries": 0})(pixels, prompts)
+        # A body larger than loopback's socket buffers (8 incompressible 512x512 PNGs, ~8 MB): the
+        # server answers 401 and closes while the client is still sending, and the client reports
+        # the 401 it received, not the broken pipe ("cannot reach ... Is the scorer running?").
+        seeded = torch.Generator().manual_seed(0)
+        large = torch.randint(0, 256, (8, 3, 512, 512), dtype=torch.uint8, generator=seeded)
+        with pytest.raises(ScorerAnswered, match=r"HTTP 401") as info:
+            build_reward("http", {"url": server.url, "retries": 0})(large, ["a"] * 8)
+        assert "requires a token and this client sends none: set args.token_env" in str(info.value)
+        monkeypatch.setenv("WRONG_TOKEN", "not-the-token")
+        with pytest.raises(ScorerAnswered, match=r"WRONG_TOKEN \(args.token_env\) is not the server's"):
+            build_reward("http", {"url": server.url, "retries": 0, "token_env": "WRONG_TOKEN"})(
+                pixels, prompts
+            )
         monkeypatch.setenv("SCORER_TOKEN", "s3cret-token")
         client = build_reward("http", {"url": server.url, "token_env": "SCORER_TOKEN"})
         local = build_reward("jpeg_compressibility")(pixels, prompts, None)
@@ -267,13 +290,140 @@ def test_excess_requests_and_connections_get_503_at_once():
         for thread in threads:
             thread.join(30)
         assert [status for status, _ in held] == [200] * SMALL.max_concurrent_requests
-        idle = [_connect(server.url) for _ in range(SMALL.max_connections)]
-        time.sleep(0.2)
-        sock = _connect(server.url)
-        answer = _read_all(sock).decode()
-        assert " 503 " in answer.splitlines()[0] and '"limit": "max_connections"' in answer
-        for s in [*idle, sock]:
-            s.close()
+        # connections past their headers (here: the body never comes) hold their slots: one
+        # address up to its share, two addresses all of the server's
+        per_client = SMALL.max_connections_per_client
+        held = [_half_sent(server.url, source="127.0.0.2") for _ in range(per_client)]
+        _wait_until(lambda: _sending(server, "body") == per_client)
+        answer = _read_all(_connect(server.url, "127.0.0.2")).decode()
+        assert " 503 " in answer.splitlines()[0] and '"limit": "max_connections_per_client"' in answer
+        held += [_half_sent(server.url, source="127.0.0.3") for _ in range(per_client)]  # another client
+        _wait_until(lambda: _sending(server, "body") == 2 * per_client == SMALL.max_connections)
+        answer = _read_all(_connect(server.url, "127.0.0.4")).decode()
+        assert " 503 " in answer.splitlines()[0] and '"limit": "max_connections"' in answer, answer
+        for sock in held:
+            sock.close()
+
+
+def _sending(running, phase) -> int:
+    """How many of the server's connections are in `phase` ("headers", "body")."""
+    table = running.server.connections
+    with table.lock:
+        return sum(c.phase == phase and not c.evicted for c in table.connections.values())
+
+
+def _wait_until(condition, seconds=10.0):
+    """Poll `condition` (the server's threads move on their own) until true, or fail the test."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the server never reached the state the test waits for"
+        time.sleep(0.01)
+
+
+def test_a_client_whose_requests_arrived_whole_is_not_held_to_its_share():
+    """`max_connections_per_client` counts connections still sending: requests of one address
+    that have arrived and are being scored leave its share free for the next one."""
+    reward = _HeldReward()
+    limits = ServerLimits(
+        max_connections=8, max_connections_per_client=1, max_concurrent_requests=3, read_timeout=5.0
+    )
+    body = _body([_png(8, 8, "RGB")])
+    with start_reward_server(reward, limits=limits) as server:
+        results, threads = [], []
+        for waiting in range(3):  # each arrives whole, then is scored (or waits for the score lock)
+            threads.append(_post_in_thread(server.url, body, results))
+            _wait_until(lambda n=waiting + 1: server.server.connections.held == n and not _receiving(server))
+        reward.release.set()
+        for thread in threads:
+            thread.join(30)
+    assert [status for status, _ in results] == [200] * 3, results
+
+
+def _receiving(running) -> int:
+    table = running.server.connections
+    with table.lock:
+        return sum(table.receiving.values())
+
+
+def test_connections_sending_their_headers_give_their_slots_to_new_ones():
+    """Connections that opened and never finished their headers (slowloris; a token is a header,
+    so nothing about them is known) cannot keep out a client that sends its request: the oldest
+    of them is dropped for it, from its own address's share or from the server's."""
+    limits = ServerLimits(max_connections=6, max_connections_per_client=3, read_timeout=30.0)
+    with start_reward_server("jpeg_compressibility", limits=limits, token="s3cret-token") as server:
+        stalled = [_connect(server.url, source) for source in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 3]
+        for sock in stalled:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        _wait_until(lambda: _sending(server, "headers") == 6)
+        # 127.0.0.1 is under its share but the server is full: the oldest stalled one makes room
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")]), token="s3cret-token", timeout=5)
+        assert status == 200, answer
+        # 127.0.0.3 is at its share: it drops its own oldest, not another address's
+        status, _ = _post(server.url, _body([_png(8, 8, "RGB")]), token="s3cret-token", source="127.0.0.3")
+        assert status == 200
+        assert [_closed(sock) for sock in stalled] == [True, False, False, True, False, False]
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_request_refused_with_401_is_not_read_further():
+    """Issue 55: the server answered 401 to a request without the token, then kept reading its body
+    until the read deadline, so clients without the token held connections as long as they liked.
+    It now closes at once: the client sees the end of the stream, and its slot is free."""
+    limits = ServerLimits(
+        max_connections=2, max_connections_per_client=2, max_concurrent_requests=1, read_timeout=30.0
+    )
+    with start_reward_server("jpeg_compressibility", limits=limits, token="s3cret-token") as server:
+        refused = [_half_sent(server.url, length=1 << 20) for _ in range(2)]  # 1 byte of 1 MiB sent
+        for sock in refused:
+            sock.settimeout(5.0)  # far below the read deadline: the old server was still reading
+            answer = _read_all(sock).decode()  # returns at the end of the stream
+            assert " 401 " in answer.splitlines()[0], answer
+        _wait_until(lambda: server.server.connections.held == 0)
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")]), token="s3cret-token")
+        assert status == 200, answer
+        for sock in refused:
+            sock.close()
+
+
+def test_slow_clients_without_the_token_cannot_lock_out_one_with_it(monkeypatch):
+    """Issue 55's probe: 64 clients without the token (the default max_connections), all from
+    127.0.0.1 like the legitimate one, half trickling their headers and half sending whole headers
+    and then a body byte a second, used to keep the legitimate client out for the whole read
+    deadline. It is now scored at once, with no retry."""
+    limits = ServerLimits(read_timeout=30.0)
+    stop, threads = threading.Event(), []
+    with start_reward_server("jpeg_compressibility", limits=limits, token="s3cret-token") as server:
+        for index in range(limits.max_connections):
+            target = _slow_headers if index % 2 else _slow_body
+            threads.append(threading.Thread(target=target, args=(server.url, stop)))
+            threads[-1].start()
+        _wait_until(lambda: server.server.connections.held >= limits.max_connections_per_client)
+        time.sleep(0.2)  # every attacker has connected (or been refused at once, past its address's share)
+        monkeypatch.setenv("SCORER_TOKEN", "s3cret-token")
+        client = build_reward(
+            "http", {"url": server.url, "retries": 0, "timeout": 10, "token_env": "SCORER_TOKEN"}
+        )
+        scores = client(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), ["a", "b"]).scores_B
+        assert scores.shape == (2,)
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+
+
+def _slow_headers(url, stop):
+    """A connection that sends a header line every 0.1 s and never ends its headers."""
+    with contextlib.suppress(OSError), _connect(url) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\n")
+        while not stop.wait(0.1):
+            sock.sendall(b"X-Pad: a\r\n")
+
+
+def _slow_body(url, stop):
+    """Whole headers without the token, announcing 1000 bytes, then a byte every 0.1 s."""
+    with contextlib.suppress(OSError), _half_sent(url) as sock:
+        while not stop.wait(0.1):
+            sock.sendall(b" ")
 
 
 def _trickle(url, token, length, stop, answers):
@@ -331,24 +481,33 @@ def test_bodies_being_received_are_bounded_by_the_bytes_that_arrived():
     announced lengths): past max_receiving_bytes a further body gets 503 naming it, while a client
     that announced a large body but sent little holds little."""
     limits = ServerLimits(
-        max_connections=8, read_timeout=4.0, max_body_bytes=1 << 20, max_receiving_bytes=(1 << 20) + (1 << 19)
+        max_connections=8,
+        max_connections_per_client=4,
+        read_timeout=4.0,
+        max_body_bytes=1 << 20,
+        max_receiving_bytes=(1 << 20) + (1 << 19),
     )
     with start_reward_server("jpeg_compressibility", limits=limits) as server:
         # announced 1 MiB each, sent 10 bytes: 20 bytes held, a normal request is served
         small = [_half_sent(server.url, length=1 << 20) for _ in range(2)]
         time.sleep(0.3)
         assert _post(server.url, _body([_png(8, 8, "RGB")]))[0] == 200
-        # one client sends 1 MiB - 1 byte of its body and stalls: 1 MiB of the 1.5 MiB held
-        big = _half_sent(server.url, length=1 << 20)
+        # another client sends 1 MiB - 1 byte of its body and stalls: 1 MiB of the 1.5 MiB held
+        big = _half_sent(server.url, length=1 << 20, source="127.0.0.2")
         big.sendall(b" " * ((1 << 20) - 2))
         time.sleep(0.5)
         status, answer = _post(server.url, _body([_png(8, 8, "RGB")], ["x" * (900 << 10)]))
         assert status == 503 and answer["limit"] == "max_receiving_bytes", answer
         assert answer["value"] == limits.max_receiving_bytes
-        assert _post(server.url, _body([_png(8, 8, "RGB")]))[0] == 200  # a small body still fits
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")]))
+        assert status == 200, answer  # a small body still fits
+        # ... but not from the stalled client's address: it holds its whole share (one body)
+        assert limits.max_receiving_bytes_per_client == limits.max_body_bytes
+        status, answer = _post(server.url, _body([_png(8, 8, "RGB")]), source="127.0.0.2")
+        assert status == 503 and answer["limit"] == "max_receiving_bytes_per_client", answer
         for sock in [*small, big]:
             sock.close()
-    with pytest.raises(ValueError, match=r"max_receiving_bytes=10 is below max_body_bytes=20"):
+    with pytest.raises(ValueError, match=r"--max-body-bytes 20 is above --max-receiving-bytes 10"):
         ServerLimits(max_body_bytes=20, max_receiving_bytes=10)
 
 
@@ -419,10 +578,9 @@ def test_mixed_attack_is_refused_in_time_memory_stays_bounded_and_service_contin
                         time.sleep(0.1)
                     sock.close()
                     result = int(data.split()[1]) if data.startswith(b"HTTP/") else "closed"
-            except (OSError, urllib.error.URLError) as err:
-                reason = getattr(err, "reason", err)
+            except (OSError, http.client.HTTPException) as err:
                 # refused before it finished sending: the server answered and closed, the peer saw a reset
-                cut = isinstance(reason, ConnectionResetError | BrokenPipeError)
+                cut = isinstance(err, ConnectionResetError | BrokenPipeError)
                 result = "closed" if cut else f"error {err!r}"
             with lock:
                 outcomes.append((kind, result, time.monotonic() - start))
