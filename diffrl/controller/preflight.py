@@ -196,6 +196,7 @@ def probe_scorers(specs: Sequence[Any]) -> None:
     """Every remote (`http`) reward's server answers /health within SCORER_PROBE_TIMEOUT_S, so an
     unreachable scorer fails in seconds instead of at step 1 after the model loads."""
     from diffrl.rewards.registry import base_name, build_reward
+    from diffrl.rewards.remote import ScorerAnswered
 
     for spec in specs:
         if base_name(spec.name) != "http":
@@ -208,17 +209,25 @@ def probe_scorers(specs: Sequence[Any]) -> None:
             raise ValueError(f"reward.functions.{spec.name}: {err}") from None
         try:
             client.health()
-        # ConnectionError and TimeoutError are OSErrors; RuntimeError is an answer other than 200
-        # (a 401 from a server that requires a token the config does not send, a wrong path)
-        except (OSError, ValueError, RuntimeError) as err:
+        # An answer, but not a health report: an error status (ScorerAnswered: a 401 for a missing
+        # or wrong token, a 404 for a wrong path) or not JSON. Something runs there, so "start it"
+        # would be wrong; the client's message says what the answer means and what to change.
+        except (ScorerAnswered, ValueError) as err:
+            message = (
+                f"reward.functions.{spec.name}: the scorer at args.url={spec.args.get('url')!r} answered "
+                f"/health, but not with its status: {err}"
+            )
+        except OSError as err:  # ConnectionError, TimeoutError: nothing answered
             message = (
                 f"reward.functions.{spec.name}: the scorer at args.url={spec.args.get('url')!r} did not "
                 f"answer /health within {args['timeout']:g} s ({err}); start it (diffrl serve-reward NAME "
                 "--port PORT) or correct args.url"
             )
-            if spec.required:
-                raise ValueError(message) from None
-            print(f"warning: {message}; it is not required, so its samples will go unscored")
+        else:
+            continue
+        if spec.required:
+            raise ValueError(message) from None
+        print(f"warning: {message}; it is not required, so its samples will go unscored")
 
 
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:

@@ -229,7 +229,29 @@ def test_a_scorer_that_answers_health_with_an_error_is_refused_before_loading(tm
     monkeypatch.setattr(run_module, "worker_session", _no_workers)
     with start_reward_server("jpeg_compressibility") as server:  # a wrong path: HTTP 404, not a 200
         err = refused(tmp_path, capsys, f"reward.functions.http.args.url={server.url}/wrong")
-    assert "did not answer /health" in err and "HTTP 404" in err and "Traceback" not in err
+    assert "answered /health, but not with its status" in err and "HTTP 404" in err, err
+    assert "Traceback" not in err and "start it" not in err
+
+
+@pytest.mark.parametrize("token_env", [None, "WRONG_SCORER_TOKEN"])
+def test_a_scorer_that_refuses_the_token_is_reported_as_a_token_error(
+    tmp_path, capsys, monkeypatch, token_env
+):
+    """Issue 55: a 401 from the scorer read "did not answer /health ... start it"."""
+    from diffrl.rewards.server import start_reward_server
+
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    monkeypatch.setenv("WRONG_SCORER_TOKEN", "not-the-servers-token")
+    overrides = [] if token_env is None else [f"reward.functions.http.args.token_env={token_env}"]
+    with start_reward_server("jpeg_compressibility", token="the-servers-token") as server:
+        err = refused(tmp_path, capsys, f"reward.functions.http.args.url={server.url}", *overrides)
+    assert "HTTP 401" in err and "start it" not in err and "did not answer" not in err, err
+    if token_env is None:
+        assert "requires a token and this client sends none: set args.token_env" in err, err
+    else:
+        assert (
+            "token in the environment variable WRONG_SCORER_TOKEN (args.token_env) is not the server" in err
+        ), err
 
 
 def _kept_checkpoints(root, *steps):
