@@ -338,21 +338,40 @@ def write_report(run_dir: str | Path) -> str:
             lines.append(f"validation videos: {videos}")
     curve = {s: m[TRAIN_REWARD] for s, m in steps.items() if TRAIN_REWARD in m}
     if curve or validations:
-        window = max(3, round(len(curve) / 5))  # 20 steps: a mean of 4
-        series = [(TRAIN_REWARD, curve, (174, 199, 232), 1)]
-        series.append((f"{TRAIN_REWARD}, mean of {window} steps", smooth(curve, window), (31, 119, 180), 3))
-        series.append((VAL_REWARD, {s: v[VAL_REWARD] for s, v in validations.items()}, (214, 39, 40), 2))
-        if any("val/accuracy" in v for v in validations.values()):
-            accuracy = {s: v["val/accuracy"] for s, v in validations.items() if "val/accuracy" in v}
-            series.append(("val/accuracy", accuracy, (44, 160, 44), 3))
-        sources = sorted({k for v in validations.values() for k in v if is_source_accuracy(k)})
-        for key, color in zip(sources, CATEGORY_COLORS, strict=False):
-            values = {s: v[key] for s, v in validations.items() if key in v}
-            series.append((key, values, color, 1))
-        line_plot(series, run_dir / "reward_curve.png", title=run_dir.name)
+        line_plot(reward_curve_series(curve, validations), run_dir / "reward_curve.png", title=run_dir.name)
         lines.append(f"reward curve: {run_dir / 'reward_curve.png'}")
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return "\n".join(lines)
+
+
+def reward_curve_series(
+    curve: Mapping[int, float], validations: Mapping[int, Mapping[str, float]]
+) -> list[tuple[str, dict[int, float], tuple[int, int, int], int, bool]]:
+    """The reward curve's series, `(label, {step: value}, rgb, line width, connect)`: the training
+    reward, its trailing mean (only where there are more steps than the window), the validation
+    reward, `val/accuracy` and each category's accuracy. Validations are joined by lines only from
+    three on: a line between two of them would read as a trend measured in between. A series whose
+    values equal an earlier one's (the shapes verifier's reward is its accuracy) says so in its
+    label, since its line lies under the other."""
+    window = max(3, round(len(curve) / 5))  # 20 steps: a mean of 4
+    series = [(TRAIN_REWARD, dict(curve), (174, 199, 232), 1, True)]
+    if len(curve) > window:
+        series.append(
+            (f"{TRAIN_REWARD}, mean of {window} steps", smooth(curve, window), (31, 119, 180), 3, True)
+        )
+    checked = [
+        (VAL_REWARD, {s: v[VAL_REWARD] for s, v in validations.items() if VAL_REWARD in v}, (214, 39, 40), 2)
+    ]
+    if any("val/accuracy" in v for v in validations.values()):
+        accuracy = {s: v["val/accuracy"] for s, v in validations.items() if "val/accuracy" in v}
+        checked.append(("val/accuracy", accuracy, (44, 160, 44), 3))
+    sources = sorted({k for v in validations.values() for k in v if is_source_accuracy(k)})
+    for key, color in zip(sources, CATEGORY_COLORS, strict=False):
+        checked.append((key, {s: v[key] for s, v in validations.items() if key in v}, color, 1))
+    for label, data, color, width in checked:
+        same = next((other[0] for other in series if other[1] == data and data), None)
+        series.append((f"{label} (= {same})" if same else label, data, color, width, len(data) >= 3))
+    return series
 
 
 def finished_run(run_dir: str | Path, total_steps: int) -> str | None:
@@ -441,15 +460,16 @@ def line_plot(
     title: str = "",
     size: tuple[int, int] = (800, 420),
 ) -> Path:
-    """A line plot of `(label, {step: value}, rgb[, line width])` series sharing one x (step) and
-    one y axis; the legend is a column right of the plot."""
-    series = [(*entry, 2) if len(entry) == 3 else tuple(entry) for entry in series]
+    """A line plot of `(label, {step: value}, rgb[, line width[, connect]])` series sharing one x
+    (step) and one y axis; the legend is a column right of the plot. A series with connect=False
+    is drawn as points only."""
+    series = [(*entry, 2, True)[:5] if len(entry) == 3 else (*entry, True)[:5] for entry in series]
     width, height = size
     font = ImageFont.load_default()
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     legend_w = max((measure.textlength(entry[0], font=font) for entry in series), default=0)
     left, right, top, bottom = 60, int(legend_w) + 40, 30, 50
-    points = [(s, v) for _, data, _, _ in series for s, v in data.items() if math.isfinite(v)]
+    points = [(s, v) for _, data, _, _, _ in series for s, v in data.items() if math.isfinite(v)]
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
     draw.text((left, 8), title, fill="black", font=font)
@@ -480,11 +500,11 @@ def line_plot(
     draw.rectangle([left, top, width - right, height - bottom], outline="black")
     draw.text((width // 2 - 10, height - 18), "step", fill="black", font=font)
     legend_x, legend_y = width - right + 12, top
-    for label, data, color, line_width in series:
+    for label, data, color, line_width, connect in series:
         coords = [xy(s, v) for s, v in sorted(data.items()) if math.isfinite(v)]
-        if len(coords) > 1:
+        if connect and len(coords) > 1:
             draw.line(coords, fill=color, width=line_width)
-        for cx, cy in coords if len(coords) < 40 else []:
+        for cx, cy in coords if len(coords) < 40 or not connect else []:
             draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=color)
         draw.line([legend_x - 10, legend_y + 6, legend_x - 2, legend_y + 6], fill=color, width=line_width)
         draw.text((legend_x, legend_y), label, fill=color, font=font)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffrl.telemetry.report import finished_run, nice_ticks, validation_metrics, write_report
+from diffrl.telemetry.report import finished_run, nice_ticks, smooth, validation_metrics, write_report
 
 
 def test_validation_accuracy_is_the_mean_over_categories():
@@ -231,3 +231,22 @@ def test_validation_grid_shows_each_condition_image_left_of_its_result(tmp_path)
     )
     with pytest.raises(ValueError, match="must have the samples' shape"):
         validation_grid(pixels, rows, conditions=conditions[:, :, :16])
+
+
+def test_reward_curve_series_draw_no_trend_between_two_validations_and_name_hidden_lines():
+    """Issue 52 (re-walk 9): a line between two validations read as a trend, a validation line lay
+    hidden under another with the same values, and a one-step run was labelled "mean of 3 steps"."""
+    from diffrl.telemetry.report import reward_curve_series
+
+    two = {
+        0: {"val/rewards/mean": 0.4, "val/accuracy": 0.4},
+        1: {"val/rewards/mean": 0.5, "val/accuracy": 0.5},
+    }
+    series = {label: (data, connect) for label, data, _, _, connect in reward_curve_series({1: 0.3}, two)}
+    assert set(series) == {"rewards/mean", "val/rewards/mean", "val/accuracy (= val/rewards/mean)"}
+    assert series["val/rewards/mean"] == ({0: 0.4, 1: 0.5}, False)  # two points, no line
+    three = {**two, 2: {"val/rewards/mean": 0.6, "val/accuracy": 0.55}}
+    curve = {s: 0.1 * s for s in range(1, 21)}
+    series = {label: (data, connect) for label, data, _, _, connect in reward_curve_series(curve, three)}
+    assert series["val/accuracy"][1] and series["val/rewards/mean"][1]  # three validations: lines
+    assert series["rewards/mean, mean of 4 steps"][0] == smooth(curve, 4)
