@@ -88,3 +88,24 @@ def test_sections_cited_by_name_exist(page):
 
 def test_sections_cited_by_name_in_code_and_presets_exist():
     assert not [m for page in SOURCES for m in _missing_sections(page)]
+
+
+def test_every_test_docs_name_exists():
+    """docs/reliability.md (and every page) proves its guarantees by naming tests: each named test
+    file exists and holds each named test function (`tests/x.py::name`, and a `::name` later on the
+    same line, which names a test of the file named last)."""
+    span = re.compile(r"`(tests/[\w/]+\.py)?(?:::(\w+))?[^`]*`")
+    missing = []
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            file = None
+            for path, name in span.findall(line):
+                if path:
+                    file = ROOT / path
+                    if not file.is_file():
+                        missing.append(f"{page.name}: {path}")
+                        file = None
+                        continue
+                if name and file is not None and f"def {name}" not in file.read_text():
+                    missing.append(f"{page.name}: {file.relative_to(ROOT)}::{name}")
+    assert not missing, missing
