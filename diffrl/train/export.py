@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from diffrl.files import check_output_dir, umask_mode
+from diffrl.files import check_output_dir, naming, umask_mode
 from diffrl.models.sampling import EXAMPLE_PROMPTS, read_sampling_file, settings_of_run, write_sampling_file
 from diffrl.train.distributed import barrier, rank
 from diffrl.train.export_folder import (
@@ -167,12 +167,14 @@ def export_lora(
     out = Path(out_dir)
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        pipeline_class.save_lora_weights(
-            str(out),
-            transformer_lora_layers=layers,
-            transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
-            is_main_process=True,
-        )
+        # naming: safetensors reports a full disk in its own error type, naming no file
+        with naming(out / LORA_FILE):
+            pipeline_class.save_lora_weights(
+                str(out),
+                transformer_lora_layers=layers,
+                transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
+                is_main_process=True,
+            )
         umask_mode(out / LORA_FILE)  # written 0600 through a temporary file; 0644 like every other file
     barrier()
     return out
@@ -236,7 +238,8 @@ def export_full(
             clone.fuse_lora(adapter_names=[adapter_name])
             clone.unload_lora()
         out.mkdir(parents=True, exist_ok=True)
-        clone.save_pretrained(str(out), safe_serialization=True)
+        with naming(out):  # safetensors' errors name no file
+            clone.save_pretrained(str(out), safe_serialization=True)
         del clone, state
     barrier()
     return out
@@ -259,8 +262,10 @@ def export_pipeline(adapter, out_dir: str | Path, *, model_path: str | Path, mer
     if rank() == 0:
         for name, component in adapter.pipe.components.items():
             if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
-                component.save_pretrained(out / name)
-        shutil.copy(resolve_model_path(model_path) / "model_index.json", out / "model_index.json")
+                with naming(out / name):
+                    component.save_pretrained(out / name)
+        with naming(out / "model_index.json"):
+            shutil.copy(resolve_model_path(model_path) / "model_index.json", out / "model_index.json")
         for file in out.rglob("*"):
             if file.is_file():
                 umask_mode(file)  # safetensors files come out 0600; 0644 like every other file
@@ -283,6 +288,15 @@ class ExportResult:
         from diffrl.models import edits_images
 
         return edits_images(self.base_model)
+
+    @property
+    def plain_diffusers_runs_it(self) -> bool:
+        """Whether a diffusers pipeline can run the base model: not diffrl's pixel-space toy models
+        (toy:shapes), whose model_index.json has no VAE; only `diffrl sample` runs those."""
+        from diffrl.models import read_model_index, resolve_model_path
+
+        vae = read_model_index(resolve_model_path(self.base_model)).get("vae")
+        return not (isinstance(vae, list) and vae and vae[0] is None)
 
     def sample_command(self) -> str:
         """A `diffrl sample` command that works as printed (an edit model's once IMAGE names the
@@ -307,18 +321,24 @@ class ExportResult:
         return shlex.join(argv)
 
     def describe(self) -> str:
-        if self.kind == "lora":
-            load = f"pipe.load_lora_weights({str(self.out)!r}) on the {self.base_model} pipeline"
-            what = "the LoRA"
+        what = "the LoRA" if self.kind == "lora" else "the full pipeline"
+        lines = [f"exported {what} of {self.source} to {self.out}"]
+        if not self.plain_diffusers_runs_it:
+            lines.append(
+                f"  (plain diffusers cannot run it: {self.base_model} is diffrl's pixel-space toy model, "
+                "without a VAE; diffrl sample runs it)"
+            )
+        elif self.kind == "lora":
+            lines.append(
+                f"  load it in diffusers: pipe.load_lora_weights({str(self.out)!r}) on the {self.base_model} pipeline"
+            )
         else:
-            load = f"DiffusionPipeline.from_pretrained({str(self.out)!r})"
-            what = "the full pipeline"
-        return (
-            f"exported {what} of {self.source} to {self.out}\n"
-            f"  load it in diffusers: {load}\n"
+            lines.append(f"  load it in diffusers: DiffusionPipeline.from_pretrained({str(self.out)!r})")
+        lines.append(
             f"  or sample from it:    {self.sample_command()}"
             + ("  (IMAGE: the image to edit)" if self.edits_images else "")
         )
+        return "\n".join(lines)
 
 
 def _write_info(out: Path, cfg, **info) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 
+from diffrl.files import naming
 from diffrl.models.sampling import SAMPLING_FILE
 
 EXPORT_INFO = "diffrl_export.json"  # the manifest: what an export came from, next to the weights
@@ -124,7 +125,8 @@ def check_export_target(
 def write_manifest(folder: Path, **info) -> None:
     """The export's manifest (what it came from: kind "lora" or "pipeline", run, step, base model)."""
     assert info.get("kind") in ("lora", "pipeline"), info
-    (folder / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    with naming(folder / EXPORT_INFO):  # a full disk fails the write naming no file
+        (folder / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def begin_staging(out: Path) -> Path:
