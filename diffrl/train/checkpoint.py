@@ -424,9 +424,13 @@ def _does_not_fit(path: Path, name: str, problem: str) -> None:
     )
 
 
-def _load_optimizer(path: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _optimizer_target(
+    path: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """(this rank's optimizer state tensors to fill, the live state dict) for `saved` (optim.json),
+    or a CheckpointError saying what does not fit; checked before anything is restored."""
     try:
-        description, scalars, groups = saved["tensors"], saved["scalars"], saved["param_groups"]
+        description, _, groups = saved["tensors"], saved["scalars"], saved["param_groups"]
         live = get_optimizer_state_dict(model, optimizer)  # initialises the state tensors to fill
         target: dict[str, dict[str, Any]] = {}
         for fqn, keys in description.items():
@@ -451,6 +455,19 @@ def _load_optimizer(path: Path, saved: Any, model: nn.Module, optimizer: torch.o
                 _does_not_fit(path, "optim.json", problem)
     except (KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r}: optim.json is malformed ({err}); {_FIX}") from err
+    return target, live
+
+
+def _load_optimizer(
+    path: Path,
+    saved: Any,
+    target: dict[str, dict[str, Any]],
+    live: dict[str, Any],
+    model: nn.Module,
+    optimizer,
+) -> None:
+    """Restore `optimizer` from optim.json (`saved`) and its tensors, into `_optimizer_target`'s `target`."""
+    scalars, groups = saved["scalars"], saved["param_groups"]
     _load_tensors(target, path / OPTIM_DIR)
     state = {fqn: {**target.get(fqn, {}), **scalars.get(fqn, {})} for fqn in set(target) | set(scalars)}
     param_groups = [_restore_types(g, lg) for g, lg in zip(groups, live["param_groups"], strict=True)]
@@ -512,11 +529,13 @@ def load_checkpoint(
         problem := fit_problem(scheduler_state, scheduler.state_dict(), "its state")
     ):
         _does_not_fit(path, "scheduler.json", problem)
+    if load_optimizer:  # its values checked against the live optimizer's, still before any restore
+        optim_target, optim_live = _optimizer_target(path, optim_saved, model, optimizer)
     _load_tensors(model_state, path / MODEL_DIR)
     # Not strict for adapters: the frozen base weights are deliberately absent from the state.
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
     if load_optimizer:
-        _load_optimizer(path, optim_saved, model, optimizer)
+        _load_optimizer(path, optim_saved, optim_target, optim_live, model, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
     if rng_state is not None:

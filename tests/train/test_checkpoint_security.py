@@ -344,6 +344,7 @@ FORGED_JSON = [
     ("optim.json", {"tensors": {"w": "exp_avg"}, "scalars": {}, "param_groups": [{}]}),
     ("optim.json", {"tensors": {}, "scalars": {}, "param_groups": "all"}),
     ("extra.json", {"step": 1000}),
+    ("extra.json", {"step": 2, "data": {"epoch": 0, "position": -1, "num_records": 4}}),  # issue 55
 ]
 
 
@@ -387,3 +388,87 @@ def test_a_forged_checkpoint_whose_json_does_not_parse_or_fit_fails_verification
     err = capsys.readouterr().err
     assert err.count(name) >= 2 and "Traceback" not in err, err
     assert not marker.exists()
+
+
+def _changed(old: dict, **fields) -> dict:
+    return {**old, **fields}
+
+
+def _group(old: dict, **fields) -> dict:
+    return {**old, "param_groups": [{**old["param_groups"][0], **fields}]}
+
+
+def _adapter(old: dict, **fields) -> dict:
+    return {**old, "adapters": {name: {**a, **fields} for name, a in old["adapters"].items()}}
+
+
+# (file, its forged content from the saved one, what the error quotes): each value is one a load
+# would read and fail on (or, worse, train with), in a file that hashes right under a forged manifest.
+FORGED_VALUES = [
+    ("extra.json", lambda old: {**old, "data": {"epoch": 0, "position": 4, "num_records": 4}}, "position=4"),
+    ("extra.json", lambda old: {**old, "data": {"epoch": "0", "position": 0}}, "epoch='0'"),
+    ("extra.json", lambda old: {**old, "data": [0, 0]}, "not a mapping"),
+    ("extra.json", lambda old: {**old, "data": {"epoch": 0, "position": 0, "seed": 1}}, "'seed'"),
+    ("meta.json", lambda old: _changed(old, world_size=0), "world_size=0"),
+    ("meta.json", lambda old: _changed(old, step=7), "says step 7"),
+    ("meta.json", lambda old: _adapter(old, r=0), ".r=0"),
+    ("optim.json", lambda old: _group(old, lr=-1.0), "lr=-1.0"),
+    ("optim.json", lambda old: _group(old, eps=float("nan")), "eps=nan"),
+    ("scheduler.json", lambda old: _changed(old, last_epoch=-5), "last_epoch=-5"),
+    ("scheduler.json", lambda old: _changed(old, base_lrs=[-0.1]), "base_lrs=[-0.1]"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "forge", "quoted"), FORGED_VALUES, ids=[f"{n}-{q}" for n, _, q in FORGED_VALUES]
+)
+def test_a_forged_value_a_load_reads_fails_verification_naming_the_file_and_auto_falls_back(
+    saved, tmp_path, caplog, name, forge, quoted
+):
+    """Issue 55: a forged extra.json data position (the sampler state) was refused only by the
+    sampler, in the worker, without naming the file, and resume=auto did not fall back; so were
+    meta.json, optim.json and scheduler.json values of the right JSON type but out of range."""
+    checkpoints = _copy(saved, tmp_path)
+    target = step_dir(checkpoints, 2)
+    old = json.loads((target / name).read_text())
+    (target / name).write_text(json.dumps(forge(old)))
+    _forge_manifest(target, name)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{name}.*damaged") as info:
+        checkpoint.verify_checkpoint(target)
+    assert quoted in str(info.value) and str(target) in str(info.value)
+    with caplog.at_level(logging.WARNING, logger="diffrl.train.checkpoint"):
+        assert latest_checkpoint(checkpoints) == step_dir(checkpoints, 1)
+    assert f"skipping checkpoint {target}" in caplog.text and name in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "forge", "quoted"),
+    [
+        ("optim.json", lambda old: _group(old, betas="fast"), "param_groups[0].betas='fast'"),
+        ("optim.json", lambda old: _group(old, betas=[0.9]), "param_groups[0].betas=[0.9]"),
+        ("scheduler.json", lambda old: _changed(old, warmup=3), "['warmup']"),
+    ],
+    ids=["betas-text", "betas-short", "scheduler-key"],
+)
+def test_optimizer_and_scheduler_values_that_do_not_fit_the_live_ones_are_refused_and_load_nothing(
+    saved, tmp_path, name, forge, quoted
+):
+    """Values valid as JSON that the live optimizer or scheduler would take and fail on at the
+    first step (torch checks no types on load): refused before anything is restored."""
+    tiny, _, _ = saved
+    target = tmp_path / "step_00000002"
+    shutil.copytree(step_dir(saved[1], 2), target)
+    old = json.loads((target / name).read_text())
+    (target / name).write_text(json.dumps(forge(old)))
+    _forge_manifest(target, name)
+    checkpoint.verify_checkpoint(target)  # it verifies: only the live objects tell
+    transformer = _transformer(tiny, seed=5)
+    before = {k: v.clone() for k, v in transformer.state_dict().items() if ".lora_" in k}
+    optimizer, scheduler = _optim(transformer)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{name} does not fit") as info:
+        load_checkpoint(
+            target, model=transformer, optimizer=optimizer, scheduler=scheduler, trainable_only=True
+        )
+    assert quoted in str(info.value)
+    state = transformer.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in before.items())  # nothing restored
