@@ -15,8 +15,9 @@ Each step's metrics and each validation's also go to the run-health watchdog
 trainer.health.stop_on ends the run after that step's record, with a checkpoint of the step
 (`stopped` says why; `diffrl train` exits with status 3). With trainer.keep_best, a validation
 that beats every earlier one on trainer.best_metric also saves its step as RUN/checkpoints/best
-(diffrl.train.best_checkpoint). In the async modes that checkpoint's data position is past the
-batches in flight at its step, so resuming from it skips their prompts.
+(diffrl.train.best_checkpoint). In the async modes a step that did not plan a checkpoint has
+batches in flight: the data position of a best or a stop checkpoint there is past them, so a run
+resumed from it skips their prompts (it is not the uninterrupted run's continuation).
 
 A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
 run continues exactly where the interrupted one would have been.

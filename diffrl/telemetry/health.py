@@ -127,7 +127,7 @@ class Watchdog:
                     held,
                     f"step {step}: {ratio:.0%} of the prompt groups got one reward for all their samples "
                     f"(rewards/zero_std_ratio >= trainer.health.zero_spread_max={self.cfg.zero_spread_max} "
-                    f"for {self.cfg.patience} steps in a row): their advantages are zero and they teach "
+                    f"{self._in_a_row()}): their advantages are zero and they teach "
                     "nothing; check that the reward varies (a constant or saturated reward), or raise rollout.n",
                 )
             )
@@ -141,7 +141,7 @@ class Watchdog:
                     "ratio_out_of_band",
                     held,
                     f"step {step}: the mean importance ratio actor/ratio_mean={mean_ratio:.4g} is outside "
-                    f"trainer.health.ratio_band [{low}, {high}] for {self.cfg.patience} steps in a row: the "
+                    f"trainer.health.ratio_band [{low}, {high}] {self._in_a_row()}: the "
                     "policy moves far from the one that sampled; lower actor.optim.lr, or train fewer "
                     "mini-batches or epochs per step",
                 )
@@ -233,6 +233,12 @@ class Watchdog:
         return mean_a, mean_b, -_z(mean_a - mean_b, math.sqrt(pooled * (1 / len(a) + 1 / len(b))))
 
     # ------------------------------------------------------------------------------ state
+    def _in_a_row(self) -> str:
+        patience = self.cfg.patience
+        return (
+            "at this step (trainer.health.patience=1)" if patience == 1 else f"for {patience} steps in a row"
+        )
+
     def _streak(self, signal: str, condition: bool) -> bool:
         """Whether `condition` has held for trainer.health.patience steps in a row (this one too)."""
         self.streaks[signal] = self.streaks[signal] + 1 if condition else 0

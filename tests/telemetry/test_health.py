@@ -4,6 +4,7 @@ collapse of the default recipe is flagged before its held-out accuracy lost a th
 
 import math
 
+import numpy as np
 import pytest
 
 from diffrl.config.sections.health import HealthConfig
@@ -76,17 +77,20 @@ def test_only_a_signal_in_stop_on_stops_the_run():
 
 
 # ---------------------------------------------------------------------------------- validations
-#: The default recipe at GPU scale (issue 47): held-out accuracy every 20 steps, 384 prompts x 4
-#: samples, 6 categories; and its train-split accuracy at steps 0..80.
+#: The default recipe at GPU scale (issue 47, one H200, 512 images a step): held-out accuracy at
+#: steps 0, 20, .., 120, and in a second run the train-split accuracy at steps 0..80. The held-out
+#: validation is builtin:shapes_heldout_balanced_384.jsonl (64 prompts in each of 6 categories) x
+#: rollout.val.n=4 = 1536 samples; the train-split run is taken to have as many.
 HELDOUT = [0.414, 0.519, 0.486, 0.387, 0.305, 0.154, 0.119]
 TRAIN_SPLIT = [0.657, 0.784, 0.725, 0.519, 0.490]
 SAMPLES = 384 * 4
+IMAGES_PER_STEP = 512
 
 
 def bernoulli_se(accuracy: float, samples: int = SAMPLES) -> float:
     """The val/accuracy_se the validation reports for `samples` verdicts at `accuracy` when every
-    category is at the same accuracy (per-category accuracies were not recorded; categories that
-    differ make the error smaller, so this is the least favourable case for the watchdog)."""
+    category is at the same accuracy (the per-category accuracies were not recorded: categories
+    that differ make the error smaller, so this is the least favourable case for the watchdog)."""
     return math.sqrt(accuracy * (1 - accuracy) / (samples - 1))
 
 
@@ -105,37 +109,83 @@ def replay(curve, train_reward, dog=None, every=20, samples=SAMPLES) -> tuple[Wa
     return dog, logged
 
 
+def recorded_train_reward(seed: int):
+    """A training reward like the recorded run's: its train-split accuracy curve, linearly between
+    the validations (flat after step 80), plus the binomial noise of a step's 512 verdicts. (The run's
+    own rewards/mean was not recorded; the train split is what those rollouts were scored on.)"""
+    rng = np.random.default_rng(seed)
+    steps = [20 * i for i in range(len(TRAIN_SPLIT))]
+    noise = rng.standard_normal(200)
+
+    def reward(step: int) -> float:
+        p = float(np.interp(step, steps, TRAIN_SPLIT))
+        return p + noise[step] * math.sqrt(p * (1 - p) / IMAGES_PER_STEP)
+
+    return reward
+
+
 def rising_then_flat(step: int) -> float:
-    """The training reward of the recorded run rose, then held, while validation fell; a small
-    deterministic wiggle stands in for the step-to-step noise."""
+    """A training reward that rises, then holds, while validation falls; a small deterministic
+    wiggle stands in for the step-to-step noise."""
     return 0.6 + 0.004 * min(step, 40) + 0.01 * math.sin(1.7 * step)
 
 
-def first_onset(dog: Watchdog, signal: str) -> int | None:
-    return next((o.step for o in dog.onsets if o.signal == signal), None)
+def first_onset(dog: Watchdog, *signals: str) -> int | None:
+    return next((o.step for o in dog.onsets if o.signal in signals), None)
 
 
-def third_of_gain_lost_step(curve, every=20) -> int:
-    """The first validated step whose accuracy lost a third of the gain from step 0 to the peak."""
-    peak = max(curve)
-    limit = peak - (peak - curve[0]) / 3
-    index = next(i for i, value in enumerate(curve) if i > curve.index(peak) and value < limit)
-    return index * every
+FALLS = ("reward_hacking", "collapse")
 
 
-@pytest.mark.parametrize("curve", [HELDOUT, TRAIN_SPLIT], ids=["heldout", "train_split"])
-def test_the_default_recipes_recorded_collapse_is_flagged_before_a_third_of_its_gain_is_lost(curve, capsys):
-    dog, logged = replay(curve, rising_then_flat)
-    flagged = first_onset(dog, "reward_hacking")
-    assert third_of_gain_lost_step(HELDOUT) == 60  # 0.387 < 0.519 - 0.105/3 = 0.484
-    # by the validation where a third of the gain is gone (held-out: step 60; train split: step 40)
-    assert flagged is not None and flagged <= third_of_gain_lost_step(curve)
-    assert flagged == 40  # the first validation after the peak (step 20), held-out 0.486 > 0.484
-    assert logged[40]["health/val_drop_z"] >= HealthConfig().z
-    assert logged[20]["health/reward_hacking"] == 0.0  # the peak itself is no fall
-    assert "collapse" not in dog.first_onsets()  # the training reward did not fall
+def test_the_arithmetic_of_the_recorded_collapse():
+    """Held-out: the gain to the peak is 0.519 - 0.414 = 0.105, a third of it 0.035, so a third is
+    lost below 0.519 - 0.035 = 0.484. Step 40 (0.486, 0.033 lost: 31% of the gain) has not lost a
+    third; step 60 (0.387) has lost all of it and more. The fall at step 40 is
+    (0.519 - 0.486) / sqrt(se(0.519)^2 + se(0.486)^2) = 0.033 / 0.0180 = 1.83 standard errors."""
+    gain = HELDOUT[1] - HELDOUT[0]
+    assert gain == pytest.approx(0.105) and HELDOUT[1] - gain / 3 == pytest.approx(0.484)
+    assert HELDOUT[2] > HELDOUT[1] - gain / 3 > HELDOUT[3]
+    z40 = (HELDOUT[1] - HELDOUT[2]) / math.hypot(bernoulli_se(HELDOUT[1]), bernoulli_se(HELDOUT[2]))
+    assert z40 == pytest.approx(1.83, abs=0.005) and z40 >= HealthConfig().z
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_recorded_heldout_collapse_is_flagged_before_a_third_of_its_gain_is_lost(seed, capsys):
+    """Flagged at step 40, the first validation after the peak (step 20) and the last before a
+    third of the gain is gone (test_the_arithmetic_of_the_recorded_collapse): its 1.83-standard-
+    error fall alone decides that. Whether the step-40 flag says reward_hacking or collapse depends
+    on the training reward's noise (it fell 0.01-0.02 from its steps 11-20 to 31-40, 1-2 standard
+    errors); by step 60 it fell ~0.19 (over 10 standard errors) and the flag is collapse."""
+    dog, logged = replay(HELDOUT, recorded_train_reward(seed))
+    assert first_onset(dog, *FALLS) == 40 < 60
+    assert logged[20]["health/reward_hacking"] == logged[20]["health/collapse"] == 0.0  # the peak
+    assert logged[40]["health/val_drop_z"] == pytest.approx(1.83, abs=0.005)
+    assert logged[40]["health/reward_hacking"] + logged[40]["health/collapse"] == 1.0
+    assert all(logged[step]["health/collapse"] == 1.0 for step in (60, 80, 100, 120))
     lines = warnings(capsys)
-    assert len(lines) == 1 and "below its best 0." in lines[0] and "step 20" in lines[0]
+    assert (
+        lines[0].startswith("warning: health: ")
+        and "step 40: val/accuracy 0.486 is 1.8 standard errors" in lines[0]
+    )
+    assert "below its best 0.519 (step 20)" in lines[0]
+
+
+def test_the_recorded_train_split_collapse_is_flagged_at_its_first_validation_after_the_peak():
+    """Train split: peak 0.784 at step 20, a third of the gain (0.127) lost below 0.742; step 40
+    (0.725) is past that already, so no validation every 20 steps can flag it before; it is flagged
+    there, (0.784 - 0.725) / 0.0155 = 3.8 standard errors."""
+    dog, logged = replay(TRAIN_SPLIT, recorded_train_reward(0))
+    assert first_onset(dog, *FALLS) == 40
+    z40 = (0.784 - 0.725) / math.hypot(bernoulli_se(0.784), bernoulli_se(0.725))
+    assert logged[40]["health/val_drop_z"] == pytest.approx(z40) and z40 == pytest.approx(3.8, abs=0.05)
+
+
+def test_a_fall_while_the_training_reward_rises_is_reward_hacking(capsys):
+    dog, logged = replay(HELDOUT[:3], rising_then_flat)
+    assert first_onset(dog, "reward_hacking") == 40 and "collapse" not in dog.first_onsets()
+    assert logged[40]["health/reward_hacking"] == 1.0
+    lines = warnings(capsys)
+    assert len(lines) == 1 and "while the training reward did not fall" in lines[0]
 
 
 def test_a_fall_with_a_falling_training_reward_is_a_collapse():

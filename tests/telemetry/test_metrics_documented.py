@@ -46,6 +46,8 @@ NOT_IN_THESE_RUNS = {
     "rollout/busy_seconds": "separate",
     "rollout/idle_fraction": "separate",
     "async/in_flight": "bounded staleness (tests/controller/test_bounded.py logs it)",
+    # a second validation (these runs validate once; tests/controller/test_health_run.py logs it)
+    "health/val_drop_z": "two validations",
 }
 
 PG = [
@@ -138,7 +140,7 @@ def logged(tmp_path_factory):
                 "actor.micro_batch_size=4",
                 "rollout.micro_batch_size=8",
                 "rollout.pipeline.num_inference_steps=2",
-                "rollout.val.n=1",
+                "rollout.val.n=2",  # 2 samples of its one single_object prompt: val/accuracy_se
             ],
         )
         keys["sft"] = read_metrics(run_dir / "metrics.jsonl")
