@@ -17,7 +17,8 @@ trainer.health.* sets their thresholds):
     reward_hacking       the validation score fell significantly below its best while the
                          training reward did not fall
     collapse             the validation score fell significantly below its best and the training
-                         reward fell too (or the loop has no training reward: `diffrl sft`)
+                         reward fell too, or there is none to judge by (`diffrl sft` logs none;
+                         fewer than 3 training steps around the best validation)
 
 The validation score is `val/accuracy` when the validation logs it, else `val/rewards/mean`, with
 its standard error (`<score>_se`, diffrl.controller.validation.standard_errors). "Significantly
@@ -184,11 +185,16 @@ class Watchdog:
                 f"step {step}: {key} {now.score:.3f} is {drop_z:.1f} standard errors below its best "
                 f"{best.score:.3f} (step {best.step})"
             )
-            if trend is None:
-                reward_said = "and the loop logs no training reward to tell reward hacking apart"
+            if trend is None and not self.train_rewards:
+                reward_said = "the loop logs no training reward to tell reward hacking apart"
+            elif trend is None:
+                reward_said = "too few training steps around the best validation to tell reward hacking apart"
             else:
                 before, after, trend_z = trend
                 reward_said = f"{TRAIN_REWARD} {before:.3f} -> {after:.3f} ({trend_z:+.1f} standard errors)"
+            reward_fall_said = (
+                f"and the training reward fell too ({reward_said})" if trend else f"({reward_said})"
+            )
             out.update(
                 self._set(
                     step,
@@ -204,7 +210,7 @@ class Watchdog:
                     step,
                     "collapse",
                     falling and reward_fell,
-                    f"{fall} and the training reward fell too ({reward_said}): the run is collapsing; "
+                    f"{fall} {reward_fall_said}: the run is collapsing; "
                     "lower actor.optim.lr or raise actor.loss.kl_coef. trainer.keep_best=true keeps the "
                     "best checkpoint",
                 )

@@ -245,3 +245,46 @@ def test_a_resumed_run_replays_its_history_quietly(capsys):
     assert warnings(capsys) == [] and resumed.stop_reason is None
     resumed.observe_validation(60, {"val/accuracy": 0.387, "val/accuracy_se": bernoulli_se(0.387)})
     assert resumed.stop_reason is None  # the same fall, still going on
+    # a recovery, then a new fall: a new onset, which stops the resumed run
+    for step in range(41, 101):
+        resumed.observe_step(step, {"rewards/mean": rising_then_flat(step)})
+    resumed.observe_validation(80, {"val/accuracy": 0.52, "val/accuracy_se": bernoulli_se(0.52)})
+    resumed.observe_validation(100, {"val/accuracy": 0.45, "val/accuracy_se": bernoulli_se(0.45)})
+    assert resumed.stop_reason.startswith("reward_hacking (trainer.health.stop_on): step 100:")
+
+
+def test_the_replay_ignores_the_records_an_interrupted_start_logged_after_its_checkpoint():
+    history = {
+        0: {"val/accuracy": 0.5, "val/accuracy_se": 0.01},
+        20: {"val/accuracy": 0.9, "val/accuracy_se": 0.01},
+    }
+    dog = watchdog()
+    dog.replay(history, up_to=19)  # step 20 is logged again by the resumed run
+    assert dog.best.step == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "trainer.health.stop_on=[colapse]",
+            r"trainer.health.stop_on=\['colapse'\] is invalid: names 'colapse'",
+        ),
+        ("trainer.health.stop_on=[collapse,collapse]", "lists a signal twice"),
+        ("trainer.health.ratio_band=[1.1,0.9]", r"ratio_band=\[1.1, 0.9\] is invalid: must be \[low, high\]"),
+        ("trainer.health.zero_spread_max=0", "must be in \\(0, 1\\]"),
+        ("trainer.health.z=0", "trainer.health.z=0.0 is invalid: must be > 0"),
+        ("trainer.health.reward_window=1", "reward_window=1 is invalid: must be >= 2"),
+        (
+            "trainer.keep_best=true",
+            "needs validations to choose the best checkpoint: set trainer.test_freq > 0",
+        ),
+        ("trainer.best_metric=accuracy", "must be auto or a validation metric"),
+    ],
+)
+def test_bad_health_and_keep_best_settings_name_the_key_and_the_fix(override, message):
+    from diffrl.config import ConfigError, load_config
+
+    overrides = [override, "trainer.test_freq=0"] if "keep_best" in override else [override]
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_sd3", overrides)
