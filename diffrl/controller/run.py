@@ -356,7 +356,25 @@ class RunFolder:
     path: Path
     name: str
     checkpoint: Path | None
-    created: bool  # this start made the directory (a failure before the run starts removes it)
+    created: bool  # this start made the directory (a failure before the run has a record removes it)
+    # Whether the run has recorded anything of its own (`job` asks its logger: a step was logged),
+    # so that a failure must keep the folder; until it is told, whether config.yaml was written.
+    recorded: Callable[[], bool]
+
+
+def _point_latest_back(run_dir: Path, previous: str | None) -> None:
+    """After a failed new run's folder is removed: trainer.output_dir/latest, if it still names it,
+    names the run it named before (`previous`), or goes."""
+    link = run_dir.parent / "latest"
+    if not link.is_symlink() or os.readlink(link) != run_dir.name:
+        return  # not made by this start, or another start has moved it on since
+    if previous is None:
+        link.unlink()
+        return
+    staging = run_dir.parent / f".latest.{os.getpid()}"
+    staging.unlink(missing_ok=True)
+    os.symlink(previous, staging)
+    os.replace(staging, link)
 
 
 @contextmanager
@@ -365,11 +383,14 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
     checkpoint against the config; release on exit.
 
     Nothing of an existing run is changed here: its config.yaml is rewritten only once the run has
-    started (`run_loop`). When the start fails before that, a directory this call created is
-    removed again, so a failed start leaves nothing behind."""
+    started (`run_loop`). When a new run fails before its first record (`RunFolder.recorded`: a
+    reward that raises in step 1, say), the directory this call created is removed again and
+    trainer.output_dir/latest named what it named before, so a failed start leaves nothing behind."""
     run_name = cfg.trainer.run_name or f"{resolve_source(source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.trainer.output_dir) / run_name
-    checkpoint = None
+    latest = run_dir.parent / "latest"
+    previous_latest = os.readlink(latest) if latest.is_symlink() else None
+    checkpoint, folder = None, None
     if not run_dir.exists():
         checkpoint = _check_resume_target(cfg, run_dir)  # an explicit trainer.resume path
     fd, created = None, False
@@ -379,12 +400,16 @@ def run_folder(cfg: Config, source: str | None) -> Iterator[RunFolder]:
             checkpoint = _check_resume_target(cfg, run_dir)
         from diffrl.telemetry.console import console_log, run_started
 
+        folder = RunFolder(run_dir, run_name, checkpoint, created, lambda: (run_dir / CONFIG_FILE).exists())
         with console_log(run_dir):  # RUN/console.log, once the run has started (run_loop)
             run_started(run_dir, checkpoint)  # the run's first line: where to look
-            yield RunFolder(run_dir, run_name, checkpoint, created)
+            yield folder
     except BaseException:
-        if created and fd is not None and not (run_dir / "config.yaml").exists():
+        if created and fd is not None and not (folder is not None and folder.recorded()):
             shutil.rmtree(run_dir, ignore_errors=True)
+            _point_latest_back(run_dir, previous_latest)
+            if folder is not None:  # it was announced ("run directory: ..."): say where it went
+                print(f"removed {run_dir}: the run failed before it recorded a step", flush=True)
         raise
     finally:
         if fd is not None:
@@ -484,6 +509,7 @@ def job(cfg: Config, source: str | None, *, rl: bool = False) -> Iterator[Job]:
             run_name=folder.name,
         ) as logger,
     ):
+        folder.recorded = lambda: logger.last_step is not None  # a failure keeps a run that logged a step
         yield Job(folder.path, folder.checkpoint, workers, rewards, logger)
 
 

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import time
+import traceback
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ import numpy as np
 
 from diffrl.algos.metrics import reward_metrics
 from diffrl.lazy import lazy_import
+from diffrl.rewards import base as reward_base
 from diffrl.rewards.base import (
     Reward,
     call_reward,
@@ -54,8 +56,21 @@ torch = lazy_import("torch")  # deferred: see diffrl.lazy
 logger = logging.getLogger(__name__)
 
 
-class RewardError(RuntimeError):
-    """A required reward failed; the run cannot continue with a wrong reward signal."""
+class RewardError(ValueError):
+    """A required reward failed; the run cannot continue with a wrong reward signal.
+
+    A ValueError, as bad input is: the message names the reward, what it returned or raised and
+    the fix, and `diffrl train` ends with it (exit 2) instead of a traceback."""
+
+
+def _raised_at(error: BaseException) -> str:
+    """' (raised at FILE:LINE in FUNCTION)', the innermost frame of `error`: where a reward's own
+    bug is, for a message without a traceback; '' when the code that checks what rewards return
+    raised it (diffrl.rewards.base: a NaN, a wrong count), since the message says what it found."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or frames[-1].filename == reward_base.__file__:
+        return ""
+    return f" (raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})"
 
 
 @dataclass(frozen=True)
@@ -240,7 +255,7 @@ class MultiReward:
                 if spec.required:
                     raise RewardError(
                         f"required reward {spec.name!r} failed on a micro-batch of {batch} sample(s): "
-                        f"{type(err).__name__}: {err}. Fix the cause, or set "
+                        f"{type(err).__name__}: {err}{_raised_at(err)}. Fix the cause, or set "
                         f"reward.functions.{spec.name}.required=false to score such batches 0 and count the failures."
                     ) from err
                 logger.warning(

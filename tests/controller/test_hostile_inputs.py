@@ -396,3 +396,62 @@ def test_a_resume_on_a_full_disk_says_so_and_changes_nothing(tmp_path, capsys, s
     assert sorted(after) == sorted(before), set(after) ^ set(before)  # no .tmp-*, no new file
     changed = [name for name in before if before[name] != after[name]]
     assert changed in ([], [".lock"]), changed  # the lock holds the PID of whoever owns the folder
+
+
+# ------------------------------------------------------------------- a reward that fails at once
+FAILING_REWARDS = """
+import torch
+
+
+def not_finite(pixels, prompts, metadata):
+    return torch.full((len(prompts),), float("nan"))
+
+
+def raises(pixels, prompts, metadata):
+    return 1 / 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("reward", "settings", "said"),
+    [
+        # in the first step (no validation before it)
+        ("not_finite", FAST, "returned non-finite scores for samples [0, 1, 2, 3"),
+        # in the validation before the first step
+        (
+            "raises",
+            ["trainer.total_steps=1"],
+            "ZeroDivisionError: division by zero (raised at {file}:10 in raises)",
+        ),
+    ],
+    ids=["nan-in-step-1", "raises-in-validation"],
+)
+def test_a_failing_reward_with_the_start_check_off_exits_2_naming_it_and_leaves_no_run_folder(
+    tmp_path, capsys, monkeypatch, reward, settings, said
+):
+    """Issue 55: with trainer.check_at_start=false, a required reward that returns NaN or raises
+    ended the run with exit 1, a traceback, and an empty run folder left behind (its config.yaml
+    was written, so the failed start counted as a run). A failure before the run logs its first
+    record removes the folder it made, and `latest` names the run it named before."""
+    module = tmp_path / f"failing_rewards_{reward}.py"  # one name each: Python keeps what it imported
+    module.write_text(FAILING_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    (out / "earlier").mkdir(parents=True)
+    (out / "latest").symlink_to("earlier")
+    argv = [
+        "train",
+        "tiny_sd3",
+        f"trainer.output_dir={out}",
+        "trainer.run_name=r",
+        "trainer.check_at_start=false",
+        f"reward.functions.python.args.function={module.stem}:{reward}",
+        *settings,
+    ]
+    assert exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: required reward 'python' failed" in err and "Traceback" not in err, err
+    assert said.format(file=module) in err, err
+    assert "reward.functions.python.required=false" in err  # the fix
+    assert sorted(p.name for p in out.iterdir()) == ["earlier", "latest"]
+    assert os.readlink(out / "latest") == "earlier"
