@@ -49,3 +49,94 @@ def tiny_model(tmp_path_factory):
         return built[family]
 
     return get
+
+
+# ------------------------------------------------------------------ one Ray cluster for many runs
+# Starting a local Ray cluster costs 4-16 s on a 2-core host (GCS, raylet, agents, monitors: seven
+# processes), and each of the tests' `diffrl train` runs on Ray would start and stop its own. The
+# tests that ask for `shared_ray` (also through a module-scoped fixture) share one, kept up across
+# consecutive such tests; before any other test it is stopped, so that test finds no Ray running
+# (tests/workers/test_group.py checks that) and may start a cluster of its own.
+_SHARED_RAY: dict = {}
+
+
+def _start_shared_ray() -> None:
+    import ray
+
+    from diffrl.workers.ray_group import ensure_ray
+
+    assert not ray.is_initialized(), "Ray is running but not as the shared cluster: a test left it up"
+    env = {
+        # Ray's worker processes inherit the environment the cluster starts with
+        "DIFFRL_CACHE": str(_SHARED_RAY["cache"]),
+        "OMP_NUM_THREADS": "1",
+        # no idle workers prestarted: every diffrl actor has a runtime env of its own (RANK, ...) and
+        # never takes one, and on 2 cores their start slows the actors that are needed
+        "RAY_prestart_worker_first_driver": "0",
+    }
+    with pytest.MonkeyPatch.context() as start_env:
+        for key, value in env.items():
+            start_env.setenv(key, value)
+        # CPUs are Ray's bookkeeping: enough for the largest run of the suite (3 model workers,
+        # reward workers, the driver), as ensure_ray's own num_cpus would be for that run
+        ensure_ray(None, num_cpus=8)
+    _SHARED_RAY["up"] = True
+
+
+def _stop_shared_ray() -> None:
+    if _SHARED_RAY.pop("up", False):
+        import ray
+
+        ray.shutdown()
+
+
+def _all_cpus_free(wait_s: float = 5.0) -> bool:
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + wait_s  # a removed placement group frees its CPUs a moment later
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources().get("CPU", 0.0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="session")
+def shared_ray(tmp_path_factory):
+    """A local Ray cluster (diffrl's `ensure_ray`: loopback only) that `diffrl.controller.run.train`
+    joins and leaves running (ensure_ray returns False when Ray is up), instead of one per run.
+
+    Its actors resolve `tiny:<family>` in the cluster's DIFFRL_CACHE, the folder this yields: a test
+    sets its own DIFFRL_CACHE to it, so that its driver builds and reads the same tiny models. The
+    actors' thread counts come from diffrl (thread_env), not from the cluster's environment."""
+    _SHARED_RAY["cache"] = tmp_path_factory.mktemp("shared_ray_cache")
+    _start_shared_ray()
+    return _SHARED_RAY["cache"]
+
+
+def _uses_shared_ray(item) -> bool:
+    return "shared_ray" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test: stop the shared cluster unless the test uses it (a module
+    fixture may start a cluster of its own), or start it again if an earlier test stopped it."""
+    if not _uses_shared_ray(item):
+        _stop_shared_ray()
+    elif "cache" in _SHARED_RAY and not _SHARED_RAY.get("up"):
+        _start_shared_ray()
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    # A run that failed may have left actors or placement groups holding CPUs: start afresh then.
+    if _uses_shared_ray(item) and _SHARED_RAY.get("up") and not _all_cpus_free():
+        _stop_shared_ray()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _stop_shared_ray()

@@ -41,10 +41,11 @@ ONE_MODE_ONLY = (
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch, tmp_path):
-    # one compute thread in every process, so the driver and the Ray workers run the same kernels
+def one_thread(monkeypatch, shared_ray):
+    # one compute thread in every process, so the driver and the Ray workers run the same kernels;
+    # every run joins one Ray cluster (tests/conftest.py), whose actors read the tiny model's cache
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DIFFRL_CACHE", str(shared_ray))
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
@@ -139,20 +140,34 @@ def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(tmp_pat
         assert full.sample_uids() == staged.summary.sample_uids()
 
 
-def test_one_step_off_samples_each_batch_one_version_behind_and_trains(tmp_path):
-    run_dir = train(
-        BASE[0],
-        [
-            *BASE[1:],
-            *SEPARATE,
-            "trainer.async_mode=one_step_off",
-            "trainer.total_steps=4",
-            "trainer.test_freq=2",
-            f"trainer.output_dir={tmp_path}",
-            "trainer.run_name=async",
-        ],
-    )
-    metrics = read_metrics(run_dir)
+@pytest.fixture(scope="module")
+def one_step_off_runs(shared_ray, tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """One-step-off runs with KL, four steps validated at 2 and 4: the reference and old log-prob
+    passes on the replicas (`auto`) and on the trainer. Two tests read them (each run starts three
+    model workers: on 2 cores most of a run's time)."""
+    out = tmp_path_factory.mktemp("one_step_off")
+    args = [
+        *BASE[1:],
+        *SEPARATE,
+        "trainer.async_mode=one_step_off",
+        "trainer.total_steps=4",
+        "trainer.test_freq=2",
+        "actor.loss.kl_coef=0.01",
+        f"trainer.output_dir={out}",
+    ]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        env.setenv("DIFFRL_CACHE", str(shared_ray))
+        return {
+            "replicas": read_metrics(train(BASE[0], [*args, "trainer.run_name=replicas"])),
+            "trainer": read_metrics(
+                train(BASE[0], [*args, "rollout.log_prob_passes=trainer", "trainer.run_name=trainer"])
+            ),
+        }
+
+
+def test_one_step_off_samples_each_batch_one_version_behind_and_trains(one_step_off_runs):
+    metrics = one_step_off_runs["replicas"]
     assert sorted(metrics) == [1, 2, 3, 4]
     # step 1 has nothing to overlap with; from step 2 on, batch k was sampled during step k-1 with
     # the weights step k-1 started from (version k-2): one version behind the trainer
@@ -248,23 +263,12 @@ def test_replica_passes_equal_the_trainers_bitwise(tmp_path):
         torch.testing.assert_close(with_sample.summary.log_probs_BW, policy_lp, rtol=1e-4, atol=1e-4)
 
 
-def test_one_step_off_with_replica_passes_trains_as_with_trainer_passes(tmp_path):
+def test_one_step_off_with_replica_passes_trains_as_with_trainer_passes(one_step_off_runs):
     """One step off with KL: the passes on the replicas (auto) and on the trainer give the same
     run, metric for metric, and the pool metrics are logged."""
-    args = [
-        *BASE[1:],
-        *SEPARATE,
-        "trainer.async_mode=one_step_off",
-        "trainer.test_freq=0",
-        "actor.loss.kl_coef=0.01",
-        f"trainer.output_dir={tmp_path}",
-    ]
-    on_replicas = read_metrics(train(BASE[0], [*args, "trainer.run_name=replicas"]))
-    on_trainer = read_metrics(
-        train(BASE[0], [*args, "rollout.log_prob_passes=trainer", "trainer.run_name=trainer"])
-    )
-    assert sorted(on_replicas) == sorted(on_trainer) == [1, 2, 3]
-    for step in (1, 2, 3):
+    on_replicas, on_trainer = one_step_off_runs["replicas"], one_step_off_runs["trainer"]
+    assert sorted(on_replicas) == sorted(on_trainer) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
         assert comparable(on_replicas[step]) == comparable(on_trainer[step]), step
         for key in ("trainer/wait_fraction", "rollout/idle_fraction"):
             assert 0.0 <= on_replicas[step][key] <= 1.0, key
