@@ -53,7 +53,7 @@ def _weight(path) -> float:
     load_checkpoint(
         path, model=model, optimizer=None, scheduler=None, trainable_only=False, restore_rng=False
     )
-    return float(model.weight[0, 0])
+    return float(model.weight[0, 0].detach())
 
 
 def test_the_best_survives_the_retention_of_step_checkpoints_and_is_replaced_whole(tmp_path):
