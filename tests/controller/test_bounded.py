@@ -300,15 +300,19 @@ def test_bounded_with_a_staleness_of_one_trains_as_one_step_off(tmp_path):
     assert [bounded[step]["async/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
 
 
-def test_bounded_on_ray_with_two_replicas_logs_what_the_in_process_pools_log(tmp_path, monkeypatch):
+def test_bounded_on_ray_with_two_replicas_logs_what_the_in_process_pools_log(
+    tmp_path, monkeypatch, shared_ray
+):
     """The real pools (Ray actors, two replicas taking requests as they free up, a gloo weight
-    sync between processes) give the in-process run's metrics: the harness above is faithful."""
+    sync between processes) give the in-process run's metrics: the harness above is faithful.
+    The Ray run joins the tests' shared cluster (tests/conftest.py), whose actors read its cache."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(shared_ray))
     args = [*BOUNDED[:-1], "trainer.max_staleness=2", "trainer.total_steps=4", "trainer.save_freq=0"]
     args += ["trainer.test_freq=2", f"trainer.output_dir={tmp_path}"]
     in_process = read_metrics(train("tiny_sd3", [*args, "rollout.replicas=1", "trainer.run_name=local"]))
     monkeypatch.undo()  # the real placement_session
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DIFFRL_CACHE", str(shared_ray))
     on_ray = read_metrics(
         train(
             "tiny_sd3",
