@@ -44,8 +44,9 @@ def comparable(row: dict) -> dict:
     }
 
 
-def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch):
-    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch, shared_ray):
+    # both Ray runs join the tests' shared cluster (tests/conftest.py), whose actors read its cache
+    monkeypatch.setenv("DIFFRL_CACHE", str(shared_ray))
     run_dir = train(
         "tiny_sd3",
         [
@@ -69,7 +70,16 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch):
     assert metrics[1]["perf/max_rss_gb_rank"] in (0.0, 1.0)  # memory: the worse of the two workers
     # Sharding must not change what is sampled or how it is scored: one worker, same step-1 numbers.
     single = read_metrics(
-        train("tiny_sd3", [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=single"])
+        train(
+            "tiny_sd3",
+            # the start-up check (diffrl check --quick) is not what this compares
+            [
+                *SMALL,
+                f"trainer.output_dir={tmp_path}",
+                "trainer.run_name=single",
+                "trainer.check_at_start=false",
+            ],
+        )
     )
     for key in [k for k in single[1] if k.startswith(("rewards/", "advantages/")) and "seconds" not in k]:
         assert metrics[1][key] == pytest.approx(single[1][key], rel=1e-6), key
@@ -150,17 +160,22 @@ def test_policy_gradient_sampling_with_merged_lora_recomputes_old_log_probs(tmp_
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key)
 
 
-def test_a_killed_run_resumes_exactly(tmp_path):
+def test_a_killed_run_resumes_exactly(tmp_path, monkeypatch):
+    """`diffrl train` SIGKILLed after step 3 (before step 4's checkpoint) resumes from step 2's
+    checkpoint and logs steps 3 and 4 as an uninterrupted run did. The uninterrupted run runs in
+    this process (a process start and its imports are most of a tiny run's time); the killed and
+    the resumed ones are `diffrl train` processes, as a user's are."""
     env = {**os.environ, "DIFFRL_CACHE": str(tmp_path / "cache")}
+    monkeypatch.setenv("DIFFRL_CACHE", env["DIFFRL_CACHE"])
     args = [
         "tiny_sd3",
         "trainer.total_steps=4",
         "trainer.save_freq=2",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
+        "trainer.check_at_start=false",  # the start-up check is not what this tests
     ]
-    full = train_subprocess([*args, f"trainer.output_dir={tmp_path}", "trainer.run_name=full"], env)
-    assert full.returncode == 0, full.stderr
+    train(args[0], [*args[1:], f"trainer.output_dir={tmp_path}", "trainer.run_name=full"])
 
     killed_dir = tmp_path / "killed"
     cmd = [
