@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardSpec, reward_specs
+from diffrl.workers import liveness
 from diffrl.workers.errors import WorkerError, WorkerIdentity, log_tail
+from diffrl.workers.futures import get_watched
 from diffrl.workers.ray_group import learn_identities
 
 #: Seconds the reward actors may take to load their models before the run gives up on them.
@@ -188,7 +190,7 @@ class _RayHandle:
         import ray
 
         try:
-            return ray.get(self.ref, timeout=timeout)
+            return get_watched(self.ref, timeout)  # ray.get, ended by a worker found dead meanwhile
         except ray.exceptions.GetTimeoutError:
             where = self.identity or f"reward worker {self.index}"
             raise TimeoutError(f"{where} did not score a micro-batch within {timeout:g} s") from None
@@ -245,6 +247,9 @@ class RayRewardWorkers:
                     raise _died(err, index, workers, "__init__") from err
             # where each actor runs, so a death later names its node, PID and last log lines
             self.identities = learn_identities(self.actors, "RewardWorker", timeout_s=60.0)
+            # a reward worker that dies is noticed within a second (diffrl.workers.liveness), not
+            # at the next gather of scores; the workers that submit to it are other processes
+            self._watch = liveness.watch(self.actors, self.identities)
         except Exception:
             self.close()
             raise
@@ -269,6 +274,8 @@ class RayRewardWorkers:
     def close(self) -> None:
         import ray
 
+        if getattr(self, "_watch", None) is not None:  # first: the kills are no deaths to report
+            self._watch.stop()
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []

@@ -21,7 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LOG_TAIL_LINES", "WorkerError", "WorkerIdentity", "log_tail"]
+__all__ = ["LOG_TAIL_LINES", "WORKER_STATES", "WorkerError", "WorkerIdentity", "log_tail"]
+
+#: What a dead worker was doing (`WorkerError.state`).
+WORKER_STATES = ("running", "idle", "unknown")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -33,6 +36,8 @@ class WorkerIdentity:
     `log_files` are the files the actor process's stdout and stderr go to (Ray redirects them to
     `worker-*.out` / `worker-*.err` in its session's logs directory on the worker's node); empty
     when they are not regular files (output to a terminal or a pipe) or the platform cannot say.
+    `actor_id` is Ray's id of the actor (hex), what Ray's `RayActorError.actor_id` names, so the
+    liveness watch (`liveness`) can tell which death a failed call reports.
     """
 
     rank: int
@@ -41,6 +46,7 @@ class WorkerIdentity:
     node_id: str
     pid: int
     log_files: tuple[str, ...] = ()
+    actor_id: str = ""
 
     def __str__(self) -> str:
         return f"{self.cls_name} rank {self.rank} on node {self.node_ip} (pid {self.pid})"
@@ -55,6 +61,10 @@ class WorkerError(RuntimeError):
     remote traceback, since the cause object has none in this process. For a Ray worker whose
     process died, `identity` says where it ran and `log_tail` holds the last lines it logged (or
     where to find them), both in the message.
+
+    `state` says what the dead worker was doing, for a death the liveness watch found rather than
+    a call: "running" `method` (the default: a call's own failure), "idle" since `method` (its
+    last call; "" for none), or "unknown" (a worker whose calls others make: a reward worker).
     """
 
     def __init__(
@@ -66,7 +76,10 @@ class WorkerError(RuntimeError):
         remote_traceback: str | None = None,
         identity: WorkerIdentity | None = None,
         log_tail: str | None = None,
+        state: str = "running",
     ) -> None:
+        if state not in WORKER_STATES:
+            raise ValueError(f"state={state!r} is not one of {WORKER_STATES}")
         self.rank = rank
         self.size = size
         self.method = method
@@ -74,14 +87,19 @@ class WorkerError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.identity = identity
         self.log_tail = log_tail
+        self.state = state
         if identity is None:
             message = f"worker rank {rank} (of {size}) failed in {method}: {type(cause).__name__}: {cause}"
         else:
             # ActorUnavailableError: Ray lost contact, the process may still exist (and hang).
             verb = "became unreachable" if type(cause).__name__ == "ActorUnavailableError" else "died"
+            if state == "running":
+                verb += f" during {method}"
+            elif state == "idle":
+                verb += f" while idle (its last call: {method})" if method else " while idle"
             message = (
                 f"{identity.cls_name} rank {rank} (of {size}) on node {identity.node_ip} "
-                f"(pid {identity.pid}) {verb} during {method}: {type(cause).__name__}: {cause}"
+                f"(pid {identity.pid}) {verb}: {type(cause).__name__}: {cause}"
             )
         # Ray colours its task names and actor output; escape codes make messages unreadable.
         message = _ANSI.sub("", message)
@@ -108,6 +126,7 @@ class WorkerError(RuntimeError):
                 self.remote_traceback,
                 self.identity,
                 self.log_tail,
+                self.state,
             ),
         )
 

@@ -14,6 +14,10 @@ a group's `call_async`, `scatter_async` and `submit` return; `result()` gives th
   finished call's error or None.
 - A timeout names every call still running and, for a Ray worker, where it runs and what it
   logged last.
+- While any Ray worker is watched (`liveness`), every wait here, and `get_watched` (`ray.get` for
+  a reference that is not a worker call's), also ends when the watch finds a worker dead: it
+  raises that worker's `WorkerError`, whichever worker the wait was for (a dead trainer rank ends
+  the validation the controller waits for on the rollout pool).
 
 Apart from the groups because one wait may span several of them (a weight sync's send on a
 trainer rank and its receives on the rollout replicas). Builds on `errors`; the groups (`group`,
@@ -28,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from diffrl.workers import liveness
 from diffrl.workers.errors import WorkerError, WorkerIdentity, log_tail
 
 __all__ = [
@@ -38,6 +43,7 @@ __all__ = [
     "blame",
     "failure_of",
     "gather",
+    "get_watched",
     "wait_any",
     "wait_done",
 ]
@@ -76,8 +82,9 @@ class LocalFuture(WorkerFuture):
         self.future = future
 
     def result(self, timeout: float | None = None) -> Any:
+        _local_wait([self.future], concurrent.futures.ALL_COMPLETED, _deadline(timeout))
         try:
-            return self.future.result(timeout)
+            return self.future.result(0 if timeout is not None else None)
         except Exception as err:
             # concurrent.futures.TimeoutError is the builtin TimeoutError: tell our wait running
             # out (future still pending) from a TimeoutError the worker itself raised.
@@ -104,14 +111,17 @@ class RayFuture(WorkerFuture):
     def result(self, timeout: float | None = None) -> Any:
         import ray
 
+        deadline = _deadline(timeout)
         try:
-            return ray.get(self.ref, timeout=timeout)
+            _ray_wait([self.ref], 1, deadline)
+            return ray.get(self.ref, timeout=_remaining(deadline))
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"rank {self.rank} {self.method} did not finish within {timeout} s") from None
         except ray.exceptions.RayTaskError as err:
             raise _worker_error_from_ray(err, self.rank, self.size, self.method) from err.cause
         except ray.exceptions.RayActorError as err:
             # ActorDiedError, ActorUnavailableError: the process, not the method, failed.
+            liveness.mark_reported(err)
             tail = None if self.identity is None else log_tail(self.identity)
             raise WorkerError(
                 self.rank, self.size, self.method, err, identity=self.identity, log_tail=tail
@@ -150,7 +160,7 @@ def gather(futures: Sequence[WorkerFuture], timeout: float | None = None) -> lis
     one, in order.
     """
     futures = list(futures)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _deadline(timeout)
     if futures and all(isinstance(f, RayFuture) for f in futures):
         _wait_ray(futures, deadline, timeout)  # type: ignore[arg-type]
     elif futures and all(isinstance(f, LocalFuture) for f in futures):
@@ -180,6 +190,9 @@ def blame(error: WorkerError, futures: Sequence[WorkerFuture], grace_s: float = 
     deadline = time.monotonic() + grace_s
     checked: set[int] = set()
     while True:
+        death = liveness.take_death()  # found by the watch (the peer may not be among `futures`)
+        if death is not None:
+            return death
         for future in others:
             if id(future) in checked or not future.done():
                 continue
@@ -189,11 +202,14 @@ def blame(error: WorkerError, futures: Sequence[WorkerFuture], grace_s: float = 
                 return failure
         left = list(dict.fromkeys(future.ref for future in others if id(future) not in checked))
         remaining = deadline - time.monotonic()
-        if not left or remaining <= 0:
+        if remaining <= 0 or not (left or liveness.watching()):
             return error
-        import ray
+        if left:
+            import ray
 
-        ray.wait(left, num_returns=1, timeout=remaining, fetch_local=False)
+            ray.wait(left, num_returns=1, timeout=min(remaining, liveness.POLL_S), fetch_local=False)
+        else:
+            time.sleep(min(remaining, liveness.POLL_S))
 
 
 def failure_of(future: WorkerFuture) -> WorkerError | None:
@@ -230,33 +246,96 @@ def wait_done(futures: Sequence[WorkerFuture], timeout: float | None) -> list[Wo
     """The done ones of `futures` (in order) once at least one is, or [] after `timeout` seconds:
     `wait_any` without its errors, for a caller that polls (and checks other things between)."""
     futures = list(futures)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _deadline(timeout)
     if all(isinstance(f, RayFuture) for f in futures):
         import ray
 
         refs = list(dict.fromkeys(f.ref for f in futures))  # type: ignore[attr-defined]  # ray.wait: unique
-        ray.wait(refs, num_returns=1, timeout=_remaining(deadline), fetch_local=False)
+        _ray_wait(refs, 1, deadline)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         ready_set = set(ready)
         done = [f for f in futures if f.ref in ready_set]  # type: ignore[attr-defined]
     elif all(isinstance(f, LocalFuture) for f in futures):
-        concurrent.futures.wait(
+        _local_wait(
             [f.future for f in futures],  # type: ignore[attr-defined]
-            timeout=_remaining(deadline),
-            return_when=concurrent.futures.FIRST_COMPLETED,
+            concurrent.futures.FIRST_COMPLETED,
+            deadline,
         )
         done = [f for f in futures if f.done()]
     else:
         # Ray and in-process futures have no common wait: poll both, briefly.
         done = [f for f in futures if f.done()]
         while not done and (deadline is None or time.monotonic() < deadline):
+            _raise_death()
             time.sleep(0.01 if deadline is None else min(0.01, _remaining(deadline) or 0.0))
             done = [f for f in futures if f.done()]
     return done
 
 
+def get_watched(ref: Any, timeout: float | None = None) -> Any:
+    """`ray.get(ref, timeout=timeout)` that ends, raising the `WorkerError`, when the liveness
+    watch finds a worker dead meanwhile: for a Ray reference that is not one of a group's calls (a
+    reward worker's scores). Raises what `ray.get` raises otherwise (`GetTimeoutError` after
+    `timeout`)."""
+    import ray
+
+    deadline = _deadline(timeout)
+    try:
+        _ray_wait([ref], 1, deadline)
+        return ray.get(ref, timeout=_remaining(deadline))
+    except ray.exceptions.RayActorError as err:
+        liveness.mark_reported(err)
+        raise
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _raise_death() -> None:
+    """Raise the `WorkerError` of a worker the liveness watch found dead, if one is not reported yet."""
+    death = liveness.take_death()
+    if death is not None:
+        raise death
+
+
+def _slice(deadline: float | None) -> float | None:
+    """How long one wait may block: up to the deadline, or `liveness.POLL_S` while workers are
+    watched, so a death the watch finds ends the wait."""
+    remaining = _remaining(deadline)
+    if not liveness.watching():
+        return remaining
+    return liveness.POLL_S if remaining is None else min(liveness.POLL_S, remaining)
+
+
+def _ray_wait(refs: list[Any], num_returns: int, deadline: float | None) -> list[Any]:
+    """`ray.wait(refs, num_returns)` until `deadline`, raising a death the watch finds meanwhile;
+    the ready references (fewer than `num_returns` after the deadline)."""
+    import ray
+
+    while True:
+        ready, _ = ray.wait(refs, num_returns=num_returns, timeout=_slice(deadline), fetch_local=False)
+        if len(ready) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+            return ready
+        _raise_death()
+
+
+def _local_wait(futures: list[concurrent.futures.Future], return_when: str, deadline: float | None) -> None:
+    """`concurrent.futures.wait` until `deadline`, raising a death the watch finds meanwhile."""
+    while True:
+        done, not_done = concurrent.futures.wait(futures, timeout=_slice(deadline), return_when=return_when)
+        finished = (
+            not not_done
+            or (return_when == concurrent.futures.FIRST_COMPLETED and done)
+            or (return_when == concurrent.futures.FIRST_EXCEPTION and any(f.exception() for f in done))
+        )
+        if finished or (deadline is not None and time.monotonic() >= deadline):
+            return
+        _raise_death()
 
 
 def _timeout_error(
@@ -281,11 +360,9 @@ def _timeout_error(
 
 def _wait_local(futures: list[LocalFuture], deadline: float | None, timeout: float | None) -> None:
     """Block until all are done or one fails; raise that failure (lowest position first)."""
-    done, not_done = concurrent.futures.wait(
-        [f.future for f in futures],
-        timeout=_remaining(deadline),
-        return_when=concurrent.futures.FIRST_EXCEPTION,
-    )
+    _local_wait([f.future for f in futures], concurrent.futures.FIRST_EXCEPTION, deadline)
+    done = {f.future for f in futures if f.future.done()}
+    not_done = {f.future for f in futures} - done
     for future in futures:
         if future.future in done and future.future.exception() is not None:
             future.result()  # raises the WorkerError
@@ -299,7 +376,7 @@ def _wait_ray(futures: list[RayFuture], deadline: float | None, timeout: float |
 
     pending = list(futures)
     while pending:
-        ready, _ = ray.wait([f.ref for f in pending], num_returns=1, timeout=_remaining(deadline))
+        ready = _ray_wait([f.ref for f in pending], 1, deadline)
         if not ready:
             raise _timeout_error(pending, timeout)
         # Everything already finished, not only the one ray.wait returned, in position order.

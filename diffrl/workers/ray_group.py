@@ -4,22 +4,27 @@
   of a placement group, with the distributed environment (`DIST_ENV_VARS`: rank, world size, local
   rank, rank 0's address and a free port) that lets the workers form a torch.distributed process
   group among themselves. It asks each actor where it runs (`learn_identities`), so a later
-  failure names the worker and quotes its last log lines (`errors`).
+  failure names the worker and quotes its last log lines (`errors`), and watches its actors
+  (`liveness`), so one that dies is noticed within about a second, busy or idle.
 - `ensure_ray`: the one place diffrl calls `ray.init`: a local cluster on loopback only, or an
   existing one at an address probed first.
 
 Apart from the `WorkerGroup` API and `InProcessGroup` (`group`) so that the in-process code and
 its tests read without Ray's placement, environment and cluster handling. Ray itself is imported
-only inside functions. Builds on `group`, `futures` and `errors`.
+only inside functions. Builds on `group`, `futures`, `liveness` and `errors`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from diffrl.workers import liveness
 from diffrl.workers.errors import WorkerIdentity
 from diffrl.workers.futures import RayFuture, WorkerFuture, gather
 from diffrl.workers.group import WorkerGroup, _check_reserved_names, _check_size
@@ -60,6 +65,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, the default on macOS and Windows), which Ray reads when
     it is first imported. This sets it unless the user chose a value; `=1` opts out (a local head
     other machines may join). Ray >= 2.59 also requires its token on a local cluster (~/.ray/auth_token).
+
+    `ray.init` replaces the process's SIGTERM handler with one that calls `sys.exit(15)`, which
+    ends in SIGABRT once the interpreter tears down Ray's threads; from the main thread this puts
+    back the handler that was there before (the one `diffrl train` installs to stop cleanly, or
+    the default: end at once, Ray's processes sharing the driver's fate).
     """
     import os
     import sys
@@ -86,7 +96,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         # already running on the machine (RAY_ADDRESS, the last `ray start`, or a GCS process it
         # finds), e.g. another user's or another diffrl run's, sharing its workers and failing on
         # num_cpus. Then the workers' quieting environment and Ray's log level.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **ray_init_kwargs())
+        with _keeping_sigterm_handler():
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **ray_init_kwargs())
         return True
     if num_cpus is not None:
         raise ValueError(
@@ -97,7 +108,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     try:
         from diffrl.telemetry.console import ray_init_kwargs
 
-        ray.init(address=address, **ray_init_kwargs())
+        with _keeping_sigterm_handler():
+            ray.init(address=address, **ray_init_kwargs())
     except ConnectionError as err:
         raise ConnectionError(
             f"could not connect to the Ray cluster at address={address!r}: {err}. Start one with "
@@ -105,6 +117,18 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
             "to start a local cluster"
         ) from err
     return True
+
+
+class _keeping_sigterm_handler:
+    """Put back, after `ray.init`, the SIGTERM handler from before it (see `ensure_ray`)."""
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.getsignal(signal.SIGTERM) if main else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 # Ray's switch for single-machine mode (ray._private.ray_constants); "0" = loopback-only local cluster.
@@ -169,7 +193,10 @@ class RayGroup(WorkerGroup):
     `TimeoutError` listing the cluster's free resources) and for every constructor (errors
     re-raised as `WorkerError` with the rank). Then it asks each actor where it runs
     (`identities`: node IP and id, PID, log files), so a later call failing because the actor died
-    raises a `WorkerError` that names it and quotes its last log lines.
+    raises a `WorkerError` that names it and quotes its last log lines, and watches the actors
+    until `shutdown` (`liveness`): one that dies while the controller waits on anything else
+    (another group, or this group's other ranks) ends that wait with its `WorkerError` too, and
+    the message says whether it was running a call (which) or idle since its last one.
     """
 
     OPTIONS: tuple[str, ...] = (
@@ -226,6 +253,15 @@ class RayGroup(WorkerGroup):
         self.size = n
         self.actors: list[ActorHandle] = []
         self.identities: list[WorkerIdentity] = []  # by rank, once every constructor returned
+        # What each rank is doing, for the message of a death the watch finds (`_describe`): by
+        # rank, its calls that may still run, oldest first, as (label, object ref), and the label
+        # of its last call. The watch forgets the finished ones every probe round (`_forget_done`):
+        # a ref kept longer would keep the call's result in Ray's object store after the
+        # controller dropped it.
+        self._calls: list[deque[tuple[str, Any]]] = [deque() for _ in range(n)]
+        self._last_call = [""] * n
+        self._calls_lock = threading.Lock()
+        self._watch: liveness.Watch | None = None
         self._owns_placement_group = placement_group is None
         if placement_group is None:
             bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus), **(resources or {})}
@@ -273,6 +309,7 @@ class RayGroup(WorkerGroup):
                 ]
             )
             self.identities = self._learn_identities(_IDENTITY_TIMEOUT_S)
+            self._watch = liveness.watch(self.actors, self.identities, self._describe, self._forget_done)
         except BaseException:
             self.shutdown()
             raise
@@ -330,7 +367,43 @@ class RayGroup(WorkerGroup):
 
     def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerFuture:
         ref = getattr(self.actors[rank], method).remote(*args, **kwargs)
-        return RayFuture(ref, rank, self.size, f"{self.cls.__name__}.{method}", self.identities[rank])
+        label = f"{self.cls.__name__}.{method}"
+        with self._calls_lock:
+            self._calls[rank].append((label, ref))
+            self._last_call[rank] = label
+        return RayFuture(ref, rank, self.size, label, self.identities[rank])
+
+    def _describe(self, rank: int) -> tuple[str, str]:
+        """(state, method) of worker `rank` (WorkerError.state), asked by the liveness watch when
+        it finds the worker dead: the oldest of its calls not finished, or one that failed with its
+        death, is the one it was running; else it was idle since its last call."""
+        import ray
+
+        with self._calls_lock:
+            calls, last = list(self._calls[rank]), self._last_call[rank]
+        for label, ref in calls:
+            ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+            if not ready:
+                return "running", label
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                return "running", label  # failed by the death itself
+            except Exception:
+                continue  # the method raised, or its result is lost: not what it was running
+        return "idle", last
+
+    def _forget_done(self) -> None:
+        """Drop the finished calls (calls to one actor finish in order): run by the liveness watch."""
+        import ray
+
+        with self._calls_lock:
+            for calls in self._calls:
+                while calls:
+                    ready, _ = ray.wait([calls[0][1]], timeout=0, fetch_local=False)
+                    if not ready:
+                        break
+                    calls.popleft()
 
     def _learn_identities(self, timeout_s: float) -> list[WorkerIdentity]:
         return learn_identities(self.actors, self.cls.__name__, timeout_s)
@@ -339,6 +412,8 @@ class RayGroup(WorkerGroup):
         """Kill the actors (at once, running calls included) and remove our placement group."""
         import ray
 
+        if self._watch is not None:  # first: the kills below are no deaths to report
+            self._watch.stop()
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
@@ -356,13 +431,15 @@ def learn_identities(actors: Sequence[Any], cls_name: str, timeout_s: float) -> 
         for rank, actor in enumerate(actors)
     ]
     return [
-        WorkerIdentity(rank, cls_name, node_ip, node_id, pid, log_files)
-        for rank, (node_ip, node_id, pid, log_files) in enumerate(gather(futures, timeout=timeout_s))
+        WorkerIdentity(rank, cls_name, node_ip, node_id, pid, log_files, actor_id)
+        for rank, (node_ip, node_id, pid, log_files, actor_id) in enumerate(
+            gather(futures, timeout=timeout_s)
+        )
     ]
 
 
-def _actor_identity(_instance: Any) -> tuple[str, str, int, tuple[str, ...]]:
-    """Runs inside an actor (`__ray_call__`): its node, PID and the files fd 1 and 2 point to."""
+def _actor_identity(_instance: Any) -> tuple[str, str, int, tuple[str, ...], str]:
+    """Runs inside an actor (`__ray_call__`): its node, PID, the files fd 1 and 2 point to, its actor id."""
     import ray
 
     files: list[str] = []
@@ -379,6 +456,7 @@ def _actor_identity(_instance: Any) -> tuple[str, str, int, tuple[str, ...]]:
         ray.get_runtime_context().get_node_id(),
         os.getpid(),
         tuple(files),
+        ray.get_runtime_context().get_actor_id(),
     )
 
 

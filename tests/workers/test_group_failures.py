@@ -1,7 +1,8 @@
 """Worker failures name the worker: a Ray actor that dies (exits, is killed, is SIGKILLed from
 outside) fails the call with a `WorkerError` naming its class, rank, node and PID and quoting its
 last log lines, within seconds, also when a peer's error came back first; `wait_any` returns the
-first finished calls and fails fast.
+first finished calls and fails fast. A worker that dies while idle, or busy while the controller
+waits on another one, is found by the liveness watch and ends that wait with its error.
 
 The PIDs and node IP the messages must contain come from the actors themselves (`os.getpid()` in a
 method) and from `ray.nodes()`, not from the group's `identities`, so a wrong identity fails.
@@ -20,9 +21,9 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from diffrl.workers import InProcessGroup, RayGroup, WorkerError, WorkerIdentity, gather, wait_any
+from diffrl.workers import InProcessGroup, RayGroup, WorkerError, WorkerIdentity, gather, liveness, wait_any
 from diffrl.workers.errors import _read_tails, _remote_tails, log_tail
-from diffrl.workers.futures import DEATH_GRACE_S
+from diffrl.workers.futures import DEATH_GRACE_S, get_watched
 
 # Ray's workers do not have tests/workers on their path: send this module's classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -69,6 +70,82 @@ def ray_cluster():
     yield ray.nodes()[0]["NodeManagerAddress"]
     if started:
         ray.shutdown()
+
+
+# A bound on noticing a death that a slow, loaded CI host keeps (the watch itself probes every
+# PROBE_INTERVAL_S; the times measured are printed).
+NOTICED_WITHIN_S = 15.0
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _found(since: float) -> list[WorkerError]:
+    """The deaths the watch found, once it found one (at most NOTICED_WITHIN_S after `since`)."""
+    while not liveness.pending_deaths() and time.monotonic() - since < NOTICED_WITHIN_S:
+        time.sleep(0.01)
+    return liveness.pending_deaths()
+
+
+def test_a_worker_killed_while_idle_is_found_and_ends_a_wait_on_another(ray_cluster):
+    """Rank 1, idle, is SIGKILLed while the controller is busy elsewhere (not waiting on any
+    worker): the watch finds it within seconds, and the controller's next wait, on rank 0's
+    minute-long call, raises rank 1's death at once instead of waiting for rank 0."""
+    node_ip = ray_cluster
+    with RayGroup(Fragile, 2, num_cpus=0.5) as group:
+        pids = group.call("pid")
+        slow = group._submit(0, "sleep_then", (60.0, "late"), {})
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        deaths = _found(killed)
+        noticed = time.monotonic() - killed
+        assert len(deaths) == 1, f"no death found within {NOTICED_WITHIN_S} s"
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            gather([slow], timeout=60)
+        raised = time.monotonic() - started
+        print(
+            f"\nidle worker killed: found {noticed:.2f} s after the kill, raised {raised:.2f} s into the wait"
+        )
+        assert raised < NOTICED_WITHIN_S  # not after rank 0's minute
+        message = str(info.value)
+        assert message.startswith(
+            f"Fragile rank 1 (of 2) on node {node_ip} (pid {pids[1]}) died while idle "
+            "(its last call: Fragile.pid): ActorDiedError: "
+        ), message
+        assert info.value.state == "idle" and info.value.process_failed
+        assert liveness.pending_deaths() == []  # reported once
+        # rank 0 is still alive and answering: its call is not failed by rank 1's death
+        assert not slow.done()
+    assert liveness.pending_deaths() == [] and not liveness.watching()  # shutdown's kills are no deaths
+
+
+def test_a_busy_worker_killed_while_the_controller_waits_elsewhere_ends_that_wait(ray_cluster):
+    """Rank 1 is SIGKILLed in the middle of a call while the controller waits for a result that
+    is not a call of this group (a reward worker's scores: `get_watched`): the wait ends within
+    seconds with rank 1's error, naming the call it was running and its last log lines."""
+    node_ip = ray_cluster
+    other = ray.remote(num_cpus=0)(_sleep).remote(60)  # what the controller waits for
+    with RayGroup(Fragile, 2, num_cpus=0.5) as group:
+        pids = group.call("pid")
+        group._submit(1, "say_then_sleep", ("decoding micro-batch 3", 60.0), {})
+        time.sleep(0.5)  # inside the call
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            get_watched(other, timeout=60)
+        waited = time.monotonic() - killed
+        print(f"\nbusy worker killed: the other wait ended {waited:.2f} s after the kill")
+        assert waited < NOTICED_WITHIN_S
+        message = str(info.value)
+        assert message.startswith(
+            f"Fragile rank 1 (of 2) on node {node_ip} (pid {pids[1]}) died during Fragile.say_then_sleep: "
+            "ActorDiedError: "
+        ), message
+        assert "  decoding micro-batch 3" in message.splitlines()
+        assert group.call_async("pid")[0].result(timeout=30) == pids[0]  # rank 0 goes on
+    ray.cancel(other, force=True)
 
 
 def test_a_worker_that_exits_is_named_with_its_node_pid_and_last_lines(ray_cluster):
