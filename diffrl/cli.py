@@ -106,13 +106,18 @@ def _config_first(items: Sequence[str], job: str, default: str | None = None) ->
 def cmd_train(args: argparse.Namespace) -> int:
     source, overrides = _config_first(args.items, "train")
     from diffrl.controller.run import train
+    from diffrl.controller.stopping import Interrupted, stop_signals
     from diffrl.telemetry.health import HealthStop
 
     try:
-        run_dir = train(source, overrides)
-    except HealthStop as stop:  # trainer.health.stop_on: checkpoint saved, weights exported
+        with stop_signals(["diffrl", "train", *args.items]) as signals:  # Ctrl-C, SIGTERM
+            run_dir = train(source, overrides)
+    except HealthStop as stop:  # trainer.health.stop_on or a signal: checkpoint saved, weights exported
         print(f"diffrl train: stopped: {stop}", file=sys.stderr)
-        return HealthStop.EXIT_STATUS
+        return signals.exit_status(HealthStop.EXIT_STATUS)
+    except Interrupted as stop:  # a signal outside the training loop, or a second one
+        print(f"diffrl train: {stop}", file=sys.stderr)
+        return stop.exit_status
     print(f"run finished: {run_dir}")
     return 0
 
@@ -129,13 +134,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_sft(args: argparse.Namespace) -> int:
     source, overrides = _config_first(args.items, "sft", default="shapes_sft")
     from diffrl.controller.sft import sft
+    from diffrl.controller.stopping import Interrupted, stop_signals
     from diffrl.telemetry.health import HealthStop
 
     try:
-        run_dir = sft(source, overrides)
-    except HealthStop as stop:  # trainer.health.stop_on: checkpoint saved, model exported
+        with stop_signals(["diffrl", "sft", *args.items]) as signals:  # Ctrl-C, SIGTERM
+            run_dir = sft(source, overrides)
+    except HealthStop as stop:  # trainer.health.stop_on or a signal: checkpoint saved, model exported
         print(f"diffrl sft: stopped: {stop}", file=sys.stderr)
-        return HealthStop.EXIT_STATUS
+        return signals.exit_status(HealthStop.EXIT_STATUS)
+    except Interrupted as stop:  # a signal outside the training loop, or a second one
+        print(f"diffrl sft: {stop}", file=sys.stderr)
+        return stop.exit_status
     print(f"run finished: {run_dir}")
     return 0
 

@@ -19,6 +19,9 @@ that beats every earlier one on trainer.best_metric also saves its step as RUN/c
 batches in flight: the data position of a best or a stop checkpoint there is past them, so a run
 resumed from it skips their prompts (it is not the uninterrupted run's continuation).
 
+Ctrl-C or SIGTERM under `diffrl train` / `diffrl sft` stops the same way (`stops_at_safe_points`,
+diffrl.controller.stopping: exit status 130 or 143, with the command that resumes the run).
+
 A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
 run continues exactly where the interrupted one would have been.
 
@@ -45,6 +48,7 @@ from diffrl.config.schema import Config
 from diffrl.controller.bounded import BoundedPipeline
 from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
 from diffrl.controller.pool_sizing import SizingAdvisor, pool_metrics
+from diffrl.controller.stopping import stop_message, stop_requested, stops_at_safe_points
 from diffrl.controller.validation import run_validation
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.files import write_json
@@ -141,7 +145,8 @@ class TrainingLoop:
             staleness_bound=staleness_bound(trainer.async_mode, trainer.max_staleness, trainer.health),
         )
         self.best = BestTracker(run_dir / "checkpoints") if trainer.keep_best else None
-        self.stopped: str | None = None  # why the watchdog stopped the run (trainer.health.stop_on)
+        # why the run stopped early: trainer.health.stop_on, or a stop signal (diffrl.controller.stopping)
+        self.stopped: str | None = None
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -274,6 +279,7 @@ class TrainingLoop:
         """Images a training step samples (prompts x samples per prompt)."""
         return self.cfg.images_per_step
 
+    @stops_at_safe_points  # Ctrl-C / SIGTERM: stop after a step's record, with a checkpoint
     def fit(self) -> dict[str, float]:
         """Run the remaining steps; returns the last validation's metrics. Records, for
         summary.json, this start's wall time, steps and peak memory (`run_stats`)."""
@@ -320,7 +326,9 @@ class TrainingLoop:
             # killed between the two resumes from the previous checkpoint and logs this step again
             # (its new record replaces this one), so every step a checkpoint covers is logged.
             self.logger.log(self.step, metrics)
-            stopping = self.health.stop_reason is not None  # stops with a checkpoint of this step
+            # stops with a checkpoint of this step (a stop signal at the last step: the run is done)
+            signalled = stop_requested() is not None and not last_step
+            stopping = self.health.stop_reason is not None or signalled
             saving = last_step or stopping or bool(cfg.save_freq and self.step % cfg.save_freq == 0)
             if saving:
                 with self.timer.phase("checkpoint"), progress(f"checkpoint of step {self.step}"):
@@ -332,9 +340,9 @@ class TrainingLoop:
                 if math.isfinite(metrics.get(key, math.nan)):
                     self.peaks[name] = max(self.peaks.get(name, 0.0), metrics[key])
             if stopping:
-                self.stopped = (
-                    f"{self.health.stop_reason}. The run stopped with its checkpoint "
-                    f"{step_dir(self.run_dir / 'checkpoints', self.step)}"
+                checkpoint = step_dir(self.run_dir / "checkpoints", self.step)
+                self.stopped = stop_message(checkpoint, self.run_dir) or (
+                    f"{self.health.stop_reason}. The run stopped with its checkpoint {checkpoint}"
                 )
                 break
         self.wall_s = time.perf_counter() - started
