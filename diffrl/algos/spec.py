@@ -172,3 +172,16 @@ def uses_old_adapter(loss_cfg: Any) -> bool:
     """Whether the algorithm of `actor.loss` (`loss_cfg`), with these settings, reads the `old` adapter."""
     spec = algorithm(loss_cfg.mode)
     return isinstance(spec, DirectPreferenceSpec) and spec.needs_old_adapter(loss_cfg)
+
+
+def worker_options(cfg: Any) -> dict[str, Any]:
+    """What the workers' engines need beyond the config (`cfg`, the whole `Config`): an `old`
+    adapter (DiffusionNFT, AWM's EMA KL) and, for DPO under full fine-tuning, a frozen reference
+    copy (its reference term is not a KL coefficient the engine would see)."""
+    spec = algorithm(cfg.actor.loss.mode)
+    if not isinstance(spec, DirectPreferenceSpec):
+        return {}
+    options: dict[str, Any] = {"with_old": uses_old_adapter(cfg.actor.loss)}
+    if spec.needs_reference:
+        options["with_reference"] = True
+    return options

@@ -92,7 +92,7 @@ def _in_process(
     """The checks that run on one worker of the colocated kind in this process: the same
     HybridWorker class a colocated run starts (engine with its LoRA adapters, sampler on its
     module), on this process's device."""
-    from diffrl.controller.run import worker_options
+    from diffrl.algos.spec import worker_options
     from diffrl.workers.roles import HybridWorker
 
     worker = HybridWorker(cfg, **worker_options(cfg))

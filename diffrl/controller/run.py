@@ -22,12 +22,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from diffrl.algos import (
-    DIRECT_PREFERENCE,
-    DirectPreferenceSpec,
-    algorithm,
-    uses_old_adapter,
-)
+from diffrl.algos import DIRECT_PREFERENCE
+from diffrl.algos.spec import worker_options
 from diffrl.config import load_config, to_yaml
 from diffrl.config.history import CONFIG_FILE, record_config
 from diffrl.config.loader import resolve_source
@@ -92,19 +88,6 @@ def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
 def reuse_rollout_log_probs(cfg: Config) -> bool:
     """Whether PPO's old log-probs can be the rollout's own (`Config.reuses_rollout_log_probs`)."""
     return cfg.reuses_rollout_log_probs
-
-
-def worker_options(cfg: Config) -> dict[str, Any]:
-    """What the workers' engines need beyond the config: an `old` adapter (DiffusionNFT, AWM's EMA
-    KL) and, for DPO under full fine-tuning, a frozen reference copy (its reference term is not a
-    KL coefficient the engine would see)."""
-    spec = algorithm(cfg.actor.loss.mode)
-    if not isinstance(spec, DirectPreferenceSpec):
-        return {}
-    options: dict[str, Any] = {"with_old": uses_old_adapter(cfg.actor.loss)}
-    if spec.needs_reference:
-        options["with_reference"] = True
-    return options
 
 
 @contextmanager

@@ -451,8 +451,8 @@ def export_run(
     (`export_folder.check_export_target`); the export replaces it only when whole. `best`: the
     run's best checkpoint (`resolve_run_checkpoint`).
     """
+    from diffrl.algos.spec import worker_options
     from diffrl.config import load_config
-    from diffrl.controller.run import worker_options
     from diffrl.models import load_model
     from diffrl.train.engine import TrainEngine
 
