@@ -36,15 +36,19 @@ ZYGOTE = textwrap.dedent(
         sys.stderr.write(f"fault: processes {json.dumps(tree)}\\n")
         sys.stderr.flush()
 
-    def die():
+    def die(signame=None):
+        if signame is not None:  # a stop signal (SIGTERM, SIGINT), not a kill: the run goes on
+            os.kill(os.getpid(), getattr(signal, signame))
+            return
         log_processes()
         os.kill(os.getpid(), signal.SIGKILL)
 
     def hook(kill):
-        # Runs in the child: SIGKILL this process at the kill point `kill` names.
+        # Runs in the child: SIGKILL this process at the kill point `kill` names (or send it
+        # kill["signal"] there).
         if kill is None:
             return
-        what, at = kill["at"], kill.get("call", 1)
+        what, at, signame = kill["at"], kill.get("call", 1), kill.get("signal")
         calls = [0]
         if what in ("actor", "reward", "trainer", "replica"):
             return kill_worker(what, kill.get("rank", 1), kill.get("when", "start"))
@@ -70,12 +74,12 @@ ZYGOTE = textwrap.dedent(
                 result = original(*args, **kwargs)
                 calls[0] += 1
                 if calls[0] == at:
-                    die()
+                    die(signame)
                 return result
             if what != "save" or str(args[0]).endswith("meta.json"):
                 calls[0] += 1
                 if calls[0] == at:
-                    die()
+                    die(signame)
             return original(*args, **kwargs)
 
         setattr(owner, name, wrapped)

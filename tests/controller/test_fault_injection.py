@@ -1,6 +1,6 @@
 """Fault injection: a `diffrl train` process killed with SIGKILL during the rollout, the update or a
-checkpoint save, then resumed with trainer.resume=auto, logs exactly the metrics of a run that was
-never interrupted; a dead worker ends the run with a WorkerError naming it.
+checkpoint save, or sent SIGTERM, then resumed with trainer.resume=auto, logs exactly the metrics of
+a run that was never interrupted; a dead worker ends the run with a WorkerError naming it.
 
 The runs are forked from one "zygote" process that has imported diffrl once (imports are most of
 a tiny run's time); each child is `diffrl train` (`diffrl.cli.main`) with a hook that sends
@@ -38,16 +38,33 @@ def comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(NOT_COMPARABLE) and "seconds" not in k}
 
 
-def test_kill_9_during_rollout_update_and_save_then_resume_matches_an_uninterrupted_run(zygote, tmp_path):
+def test_kill_9_or_sigterm_during_a_run_then_resume_matches_an_uninterrupted_run(zygote, tmp_path):
+    """SIGKILL during the rollout, the update and a checkpoint save, and SIGTERM during a rollout,
+    one after the other, each run resumed from the last one's newest checkpoint."""
     start = time.monotonic()
     train = ["train", *ARGS, f"trainer.output_dir={tmp_path}"]
     assert zygote([*train, "trainer.run_name=full"]) == 0, zygote.log.read_text()[-3000:]
     killed = [*train, "trainer.run_name=killed"]
+    run_dir = tmp_path / "killed"
     # 2 micro-batches and 2 optimizer steps per step (16 trajectories, mini-batches of 8)
     assert zygote(killed, {"at": "rollout", "call": 4}) == -9  # step 2's second micro-batch
-    assert zygote(killed, {"at": "update", "call": 4}) == -9  # step 3, after its first optimizer step
+    # SIGTERM in the resumed step 2's first micro-batch, under settings that save no checkpoint
+    # there (save_freq=3): step 2 finishes, is logged, saved, and the run exits 143 with one line
+    # naming the checkpoint and the resume command
+    earlier = len(zygote.log.read_text())
+    stopped = [*killed, "trainer.save_freq=3"]
+    assert zygote(stopped, {"at": "rollout", "call": 1, "signal": "SIGTERM"}) == 143
+    log = zygote.log.read_text()[earlier:]
+    assert "SIGTERM received: the run stops after the current step" in log
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    resume = f"diffrl {' '.join(killed[:-1])} trainer.save_freq=3 trainer.run_name=killed trainer.resume=auto"
+    assert (
+        f"diffrl train: stopped: SIGTERM received: the run stopped with its checkpoint {checkpoint}; "
+        f"resume it with: {resume}\n" in log
+    ), log[-3000:]
+    assert (checkpoint / "complete").is_file() and _steps_of_lines(run_dir) == [1, 2]
+    assert zygote(killed, {"at": "update", "call": 2}) == -9  # step 3, after its first optimizer step
     assert zygote(killed, {"at": "save", "call": 2}) == -9  # step 4's checkpoint, weights on disk
-    run_dir = tmp_path / "killed"
     # the interrupted save left at most its hidden temporary folder, never a step_N
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".tmp-")) == [
         "step_00000001",
@@ -88,11 +105,11 @@ def test_a_kill_between_publishing_a_checkpoint_and_logging_its_step_loses_no_st
     [
         (
             "actor",
-            r"HybridWorker rank 1 \(of 2\) on node \S+ \(pid \d+\) died during HybridWorker\.\w+: \w*Actor",
+            r"HybridWorker rank 1 \(of 2\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) HybridWorker\.\w+\)?: \w*Actor",
         ),
         (
             "reward",
-            r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died during RewardWorker\.score: \w*Actor",
+            r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died( during RewardWorker\.score)?: \w*Actor",
         ),
     ],
 )
@@ -128,7 +145,7 @@ SEPARATE = [
         # killed while its request of the next batch (step 2's) is queued or sampling
         (
             {"at": "replica", "rank": 0, "when": "streaming"},
-            r"RolloutWorker rank 0 \(of 2\) on node \S+ \(pid \d+\) died during RolloutWorker\.\w+[^:]*: \w*(Actor|Owner)",
+            r"RolloutWorker rank 0 \(of 2\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) RolloutWorker\.\w+[^:]*: \w*(Actor|Owner)",
         ),
         # killed in its weight receive of step 1's first sync, once the first bucket header came:
         # trainer rank 0 is streaming to it (gloo here; NCCL: test_fault_injection_gpu.py)
@@ -139,11 +156,11 @@ SEPARATE = [
         # the weight-sync source: killed before step 1's first sync
         (
             {"at": "trainer", "rank": 0},
-            r"ActorWorker rank 0 \(of 1\) on node \S+ \(pid \d+\) died during ActorWorker\.\w+: \w*Actor",
+            r"ActorWorker rank 0 \(of 1\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) ActorWorker\.\w+\)?: \w*Actor",
         ),
         (
             {"at": "reward"},
-            r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died during RewardWorker\.score: \w*Actor",
+            r"RewardWorker rank 0 \(of 1\) on node [0-9.]+ \(pid \d+\) died( during RewardWorker\.score)?: \w*Actor",
         ),
     ],
     ids=["replica", "replica-sync", "trainer", "reward"],

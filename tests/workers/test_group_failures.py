@@ -21,7 +21,16 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from diffrl.workers import InProcessGroup, RayGroup, WorkerError, WorkerIdentity, gather, liveness, wait_any
+from diffrl.workers import (
+    InProcessGroup,
+    RayGroup,
+    WorkerError,
+    WorkerIdentity,
+    ensure_ray,
+    gather,
+    liveness,
+    wait_any,
+)
 from diffrl.workers.errors import _read_tails, _remote_tails, log_tail
 from diffrl.workers.futures import DEATH_GRACE_S, get_watched
 
@@ -62,14 +71,35 @@ class Fragile:
         return "released" if event.wait(30) else "not released"
 
 
+# The SIGTERM handler the module's cluster saw after ensure_ray started it (None: Ray was running).
+SIGTERM_AFTER_START: list = []
+
+
+def _on_sigterm(signum, frame):  # what `diffrl train` installs (diffrl.controller.stopping), in short
+    raise KeyboardInterrupt
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            ensure_ray(None, num_cpus=2)
+            SIGTERM_AFTER_START.append(signal.getsignal(signal.SIGTERM))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     yield ray.nodes()[0]["NodeManagerAddress"]
     if started:
         ray.shutdown()
+
+
+def test_starting_ray_keeps_the_sigterm_handler(ray_cluster):
+    """ray.init installs its own SIGTERM handler (a sys.exit that ended `diffrl train` in SIGABRT);
+    ensure_ray puts back the one that was there."""
+    if not SIGTERM_AFTER_START:
+        pytest.skip("Ray was already running in this process")
+    assert len(SIGTERM_AFTER_START) == 1 and SIGTERM_AFTER_START[0] is _on_sigterm
 
 
 # A bound on noticing a death that a slow, loaded CI host keeps (the watch itself probes every
