@@ -1,6 +1,6 @@
 """Each algorithm's shapes-world preset at GPU scale: training time to a fixed accuracy, images/s/GPU.
 
-    python benchmarks/shapes_algorithms.py [PRESET ...] [--steps 60] [--split train|heldout]
+    python benchmarks/shapes_algorithms.py [PRESET ...] [--steps 60] [--split train|heldout|both]
         [--target 0.9] [--val-every 5] [--max-minutes M] [--out runs/bench_shapes]
         [--json-out FILE] [--table] [--table-out FILE] [-- key=value ...]
     python benchmarks/shapes_algorithms.py --from-json FILE ... [--target T] [--max-minutes M]
@@ -18,7 +18,12 @@ and win over these.
 training prompts (its `data.train_files`, `builtin:shapes_train.jsonl`, the prompts the reward
 trained on), so the target is a train-split accuracy; `heldout` keeps the preset's
 `data.val_files` (its held-out file). Accuracy is `val/accuracy`, the mean over categories of the
-shapes verifier's verdicts.
+shapes verifier's verdicts. `both` validates on the two splits at once, on a file written to
+`--out` (`both_splits_N.jsonl`): `balanced_rows(split, N)` of each split (N = `--val-per-category`,
+64 by default, rows per category; each row has validation noise of its own), each row's data
+source named `<split>_<category>`, so validation logs `val/train_colors/accuracy`,
+`val/heldout_colors/accuracy`, ...; the JSON line then has `split_curves`: each split's accuracy
+(the mean over its six categories) per validated step, and `val/accuracy` is the mean of the two.
 
 Time counts training only: the running sum of each step's `timing_s/step` (sampling, reward,
 update), which the trainer measures apart from validation and checkpoints (`timing_s/validation`,
@@ -66,6 +71,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -177,8 +183,55 @@ def curve_summary(
     }
 
 
-def validation_override(split: str, train_files: Sequence[str]) -> list[str]:
+#: `--split both`: rows per category of each split in the validation file.
+BOTH_SPLITS_PER_CATEGORY = 64
+SPLITS = ("train", "heldout")
+
+
+def write_both_splits(path: Path, per_category: int = BOTH_SPLITS_PER_CATEGORY) -> Path:
+    """The `--split both` validation file: `balanced_rows(split, per_category)` of each split, data
+    source `<split>_<category>` (written atomically; the same rows every time)."""
+    from diffrl.toy.grammar import balanced_rows
+
+    rows = [
+        {**row, "data_source": f"{split}_{row['data_source']}"}
+        for split in SPLITS
+        for row in balanced_rows(split, per_category)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # runs started side by side share `path`
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+    return path
+
+
+def split_accuracy(val: Mapping[str, float], split: str) -> float | None:
+    """The mean over `split`'s categories of `val/<split>_<category>/accuracy` (None: none logged)."""
+    prefix = f"val/{split}_"
+    values = [
+        v for k, v in val.items() if k.startswith(prefix) and k.endswith("/accuracy") and k.count("/") == 2
+    ]
+    return sum(values) / len(values) if values else None
+
+
+def split_curves(steps: Mapping[int, Mapping[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """{split: [{"step", "accuracy"}]} of a `--split both` run's validated steps."""
+    curves: dict[str, list[dict[str, float]]] = {split: [] for split in SPLITS}
+    for step, metrics in sorted(steps.items()):
+        for split in SPLITS:
+            accuracy = split_accuracy(metrics, split)
+            if accuracy is not None:
+                curves[split].append({"step": step, "accuracy": round(accuracy, 4)})
+    return curves
+
+
+def validation_override(
+    split: str, train_files: Sequence[str], out: str = ".", per_category: int = BOTH_SPLITS_PER_CATEGORY
+) -> list[str]:
     """The override that makes validation use `split`'s prompts (none: the preset's held-out file)."""
+    if split == "both":
+        path = write_both_splits(Path(out) / f"both_splits_{per_category}.jsonl", per_category)
+        return [f"data.val_files={json.dumps([str(path)])}"]
     if split == "train":
         # JSON quotes each path, so one with a comma or a space stays one list entry.
         return [f"data.val_files={json.dumps(list(train_files))}"]
@@ -249,7 +302,9 @@ def result_of(run: Mapping[str, Any], target: float, budget_s: float | None) -> 
     metrics = Path(run["run_dir"]) / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist: run {run['preset']!r} left no metrics there")
-    summary = curve_summary(read_metrics(metrics), target, budget_s)
+    steps = read_metrics(metrics)
+    summary = curve_summary(steps, target, budget_s)
+    extra = {"split_curves": split_curves(steps)} if run["split"] == "both" else {}
     return {
         **{k: run[k] for k in RUN_KEYS},
         "target": target,
@@ -265,6 +320,7 @@ def result_of(run: Mapping[str, Any], target: float, budget_s: float | None) -> 
             {"step": p["step"], "train_s": round(p["train_s"], 2), "accuracy": round(p["accuracy"], 4)}
             for p in summary["curve"]
         ],
+        **extra,
     }
 
 
@@ -284,7 +340,11 @@ def run_preset(preset: str, args: argparse.Namespace, overrides: Sequence[str]) 
     ]
     # The train files as this run resolves them (an override after `--` may change them).
     train_files = load_config(preset, [*base, *overrides]).data.train_files
-    run_overrides = [*base, *validation_override(args.split, train_files), *overrides]
+    run_overrides = [
+        *base,
+        *validation_override(args.split, train_files, args.out, args.val_per_category),
+        *overrides,
+    ]
     cfg = load_config(preset, run_overrides)
     start = time.perf_counter()
     run_dir = train(preset, run_overrides)
@@ -332,7 +392,15 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("presets", nargs="*", help="presets to run (default: every shapes algorithm preset)")
     parser.add_argument("--steps", type=int, default=60, help="training steps per run (trainer.total_steps)")
-    parser.add_argument("--split", choices=("train", "heldout"), default="train", help="validation prompts")
+    parser.add_argument(
+        "--split", choices=("train", "heldout", "both"), default="train", help="validation prompts"
+    )
+    parser.add_argument(
+        "--val-per-category",
+        type=int,
+        default=BOTH_SPLITS_PER_CATEGORY,
+        help="--split both: validation rows per category of each split",
+    )
     parser.add_argument("--target", type=float, default=0.9, help="accuracy to time (val/accuracy)")
     parser.add_argument("--val-every", type=int, default=5, help="steps between validations")
     parser.add_argument("--max-minutes", type=float, default=None, help="training-time budget per run")
@@ -348,6 +416,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="train nothing: summarise the runs of earlier --json-out files again (this --target, --max-minutes)",
     )
     args = parser.parse_args(options)
+    if args.val_per_category < 1:
+        parser.error(f"--val-per-category {args.val_per_category} must be >= 1")
     if args.steps < 1 or args.val_every < 1:
         parser.error(f"--steps ({args.steps}) and --val-every ({args.val_every}) must be >= 1")
     if not 0 <= args.target <= 1:
