@@ -40,12 +40,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from diffrl.config.choices import SDE_KINDS
 from diffrl.lazy import lazy_import
 
-# Deferred (diffrl.lazy): the config schema reads SDE_KINDS, and `diffrl config` loads no torch.
+# Deferred (diffrl.lazy): `diffrl config` loads no torch.
 torch = lazy_import("torch")
-
-SDE_KINDS = ("sde", "cps", "dance_sde", "ode")
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 

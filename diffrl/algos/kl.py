@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from diffrl.algos.base import LossInputs
 from diffrl.algos.spec import explain_not_an_algorithm
+from diffrl.config.choices import KL_STD_CHOICES
 from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
     from diffrl.sde import StepOut
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
-
-KL_STD_CHOICES = ("sde", "transition")
 
 
 def kl_std_B(policy_out: StepOut, kl_std: str) -> torch.Tensor:

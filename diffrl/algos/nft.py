@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from diffrl.algos.flow_matching import interpolate
 from diffrl.algos.spec import SAMPLES, DirectPreferenceSpec, Velocities, register_algorithm
 from diffrl.config.checks import require_positive
+from diffrl.config.choices import NFT_ADV_MODES
 from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
 # ------------------------------------------------------------------------ optimality probability
-NFT_ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
 
 
 def optimality_probability(

@@ -15,18 +15,8 @@ registering a taken name raises instead of silently replacing the first one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+# The table is the config's (it checks algorithm.adv_estimator): diffrl.config.registries.
+from diffrl.config.registries import ADVANTAGE_ESTIMATORS, get_advantage_estimator, register_advantage
 from diffrl.registry import Registry
 
-ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
-
-
-def register_advantage(name: str) -> Callable:
-    """Register an advantage estimator `fn(rewards_B, uids, cfg: AlgorithmConfig) -> adv_B`."""
-    return ADVANTAGE_ESTIMATORS.register(name)
-
-
-def get_advantage_estimator(name: str) -> Callable:
-    """The estimator function registered as `name` (`algorithm.adv_estimator`)."""
-    return ADVANTAGE_ESTIMATORS.get(name)
+__all__ = ["ADVANTAGE_ESTIMATORS", "Registry", "get_advantage_estimator", "register_advantage"]

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from diffrl.config.choices import IS_LEVELS, IS_MODES, REJECTION_LEVELS, REJECTIONS
 from diffrl.lazy import lazy_import
 
 if TYPE_CHECKING:
@@ -61,10 +62,6 @@ if TYPE_CHECKING:
 
 torch = lazy_import("torch")  # deferred: see diffrl.lazy
 
-IS_LEVELS = ("none", "step", "sequence", "geometric")
-IS_MODES = ("truncate", "mask")
-REJECTIONS = ("none", "k1", "k2", "k3")
-REJECTION_LEVELS = ("step", "sequence_mean", "sequence_sum", "sequence_max")
 SAFETY_BOUND = 20.0
 """|λ| (or its sum/mean) is clamped to this before exp: exp(20) ≈ 4.9e8."""
 

@@ -1,4 +1,5 @@
-"""What each algorithm declares about itself, and the table the loops and the config read.
+"""What each algorithm declares about itself; the table the loops and the config read is the config's
+(`diffrl.config.registries`), re-exported here.
 
 Every algorithm file ends with one `register_algorithm(...)` call. The declaration says which loop
 feeds the algorithm, what that loop must prepare for it, its own `actor.loss` settings and its
@@ -30,20 +31,46 @@ This module and the declarations import no torch (the algorithm files defer it, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from diffrl.registry import Registry
+# The table itself and the loops' names are the config's (the schema composes `actor.loss` from the
+# declarations' settings): diffrl.config.registries. They are re-exported here for the loops.
+from diffrl.config.registries import (
+    ALGORITHMS,
+    DIRECT_PREFERENCE,
+    LOOPS,
+    PAIRS,
+    POLICY_GRADIENT,
+    SAMPLES,
+    algorithm,
+    algorithm_settings,
+    algorithms,
+    explain_not_an_algorithm,
+    register_algorithm,
+    settings_keys,
+)
 
-POLICY_GRADIENT = "policy_gradient"
-DIRECT_PREFERENCE = "direct_preference"
-#: The loops, i.e. the values of `algorithm.trainer_type`.
-LOOPS = (POLICY_GRADIENT, DIRECT_PREFERENCE)
-
-#: What a direct-preference loss trains on: clean samples with their advantages, or preference
-#: pairs (the only kind an offline dataset provides).
-SAMPLES = "samples"
-PAIRS = "pairs"
+__all__ = [
+    "ALGORITHMS",
+    "DIRECT_PREFERENCE",
+    "LOOPS",
+    "PAIRS",
+    "POLICY_GRADIENT",
+    "SAMPLES",
+    "AlgorithmSpec",
+    "DirectPreferenceSpec",
+    "PolicyGradientSpec",
+    "Velocities",
+    "algorithm",
+    "algorithm_settings",
+    "algorithms",
+    "explain_not_an_algorithm",
+    "register_algorithm",
+    "settings_keys",
+    "uses_old_adapter",
+    "worker_options",
+]
 
 
 class Velocities(Protocol):
@@ -124,48 +151,6 @@ class DirectPreferenceSpec(AlgorithmSpec):
             raise ValueError(
                 f"algorithm {self.name!r}: trains_on={self.trains_on!r} must be {SAMPLES!r} or {PAIRS!r}"
             )
-
-
-ALGORITHMS: Registry[AlgorithmSpec] = Registry("loss")
-# Names a user may try as actor.loss.mode that are something else, with what to do instead.
-_NOT_ALGORITHMS: dict[str, str] = {}
-
-
-def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
-    """Add `spec` to the table; its settings' keys must not collide with another algorithm's."""
-    taken = {name for other in ALGORITHMS.values() for name in settings_keys(other)}
-    clash = sorted(taken & set(settings_keys(spec)))
-    if clash:
-        raise ValueError(f"algorithm {spec.name!r}: settings {clash} are already another algorithm's keys")
-    return ALGORITHMS.register(spec.name)(spec)
-
-
-def explain_not_an_algorithm(name: str, explanation: str) -> None:
-    """Make `algorithm(name)` raise `explanation` (a ValueError) instead of "unknown loss"."""
-    _NOT_ALGORITHMS[name] = explanation
-
-
-def algorithm(name: str) -> AlgorithmSpec:
-    """The declaration registered as `name` (`actor.loss.mode`); ValueError listing them otherwise."""
-    if name in _NOT_ALGORITHMS:
-        raise ValueError(_NOT_ALGORITHMS[name])
-    return ALGORITHMS.get(name)
-
-
-def algorithms(loop: str | None = None) -> list[AlgorithmSpec]:
-    """The declarations in registration order, those of `loop` only when given."""
-    return [spec for spec in ALGORITHMS.values() if loop is None or spec.loop == loop]
-
-
-def settings_keys(spec: AlgorithmSpec) -> list[str]:
-    return [f.name for f in fields(spec.settings)] if spec.settings is not None else []
-
-
-def algorithm_settings(spec: AlgorithmSpec, loss_cfg: Any) -> Any:
-    """`spec.settings` filled from the flat `actor.loss` section (None when it has no settings)."""
-    if spec.settings is None:
-        return None
-    return spec.settings(**{key: getattr(loss_cfg, key) for key in settings_keys(spec)})
 
 
 def uses_old_adapter(loss_cfg: Any) -> bool:

@@ -18,9 +18,8 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from diffrl.algos import POLICY_GRADIENT, algorithms
-from diffrl.algos.spec import DIRECT_PREFERENCE, SAMPLES
 from diffrl.config.checks import ConfigError, require, require_choice
+from diffrl.config.registries import DIRECT_PREFERENCE, POLICY_GRADIENT, SAMPLES, algorithms
 from diffrl.config.sections.actor import ActorConfig, LossConfig, OptimConfig
 from diffrl.config.sections.algorithm import AlgorithmConfig, OldPolicyConfig, RolloutCorrectionConfig
 from diffrl.config.sections.data import DataConfig

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from diffrl.config.registries import SHIPPED_MODEL_DIRS, TINY_MODELS
 from diffrl.files import read_json_file
 from diffrl.models.base import MODEL_DIR_FIX, ModelAdapter, PromptEmbeds
 
@@ -46,32 +47,37 @@ def adapter_class(pipeline_class_name: str) -> type[ModelAdapter]:
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 TINY_PREFIX = "tiny:"
 TOY_PREFIX = "toy:"
-#: Trained models shipped inside the package (`toy:<name>`): the shapes world's pretrained model.
-PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "toy" / "pretrained"
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """`model.path` -> a directory. `toy:<name>` names a trained model shipped in the package
-    (`toy:shapes`, the shapes world's model). `tiny:<family>` names a tiny random model built offline once
-    into the cache (`$DIFFRL_CACHE`, default ~/.cache/diffrl): demos and tests need no download."""
+    """`model.path` -> a directory. `toy:<name>` names a trained model shipped in the package, in a
+    folder a task registers (`toy:shapes`, the shapes world's model). `tiny:<name>` names a tiny random
+    model built offline once into the cache (`$DIFFRL_CACHE`, default ~/.cache/diffrl): demos and tests
+    need no download. Both tables are `diffrl.config.registries`'."""
     text = str(path)
     if text.startswith(TOY_PREFIX):
         name = text[len(TOY_PREFIX) :]
-        shipped = (
-            sorted(p.name for p in PRETRAINED_DIR.iterdir() if p.is_dir()) if PRETRAINED_DIR.is_dir() else []
-        )
+        shipped = {
+            p.name: p
+            for folder in SHIPPED_MODEL_DIRS
+            if folder.is_dir()
+            for p in folder.iterdir()
+            if p.is_dir()
+        }
         if name not in shipped:
-            raise ValueError(f"model.path={text!r}: no shipped model {name!r}; shipped: {shipped or 'none'}")
-        return PRETRAINED_DIR / name
+            raise ValueError(
+                f"model.path={text!r}: no shipped model {name!r}; shipped: {sorted(shipped) or 'none'}"
+            )
+        return shipped[name]
     if not text.startswith(TINY_PREFIX):
         return Path(path)
     from diffrl import __version__
-    from diffrl.models.tiny import TINY_BUILDERS, build_tiny
+    from diffrl.models.tiny import build_tiny, tiny_model_names
 
     family = text[len(TINY_PREFIX) :]
-    if family not in TINY_BUILDERS:
+    if family not in TINY_MODELS:
         raise ValueError(
-            f"model.path={text!r}: no tiny model {family!r}; choose tiny:{', tiny:'.join(TINY_BUILDERS)}"
+            f"model.path={text!r}: no tiny model {family!r}; choose tiny:{', tiny:'.join(tiny_model_names())}"
         )
     cache = Path(os.environ.get("DIFFRL_CACHE", Path.home() / ".cache" / "diffrl"))
     target = cache / "tiny" / f"{family}-seed0-v{__version__}"

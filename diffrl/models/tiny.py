@@ -3,8 +3,9 @@
 Tests and CPU demos load them through the same `from_pretrained` path as real checkpoints, so
 the real loading code runs. Each family module defines `build_tiny(path, seed=0) -> Path`, which
 writes a deterministic (from `seed`) pipeline directory: a few-layer transformer, a tiny VAE, tiny
-text encoders and tokenizers built locally (`TINY_BUILDERS` names "module" for its `build_tiny`, or
-"module:function" where a module builds several families).
+text encoders and tokenizers built locally. `model.path=tiny:<name>` builds one into the cache
+(`diffrl.models.resolve_model_path`): the families below register here, a task's own tiny models
+(the shapes world's) register the same way (`diffrl.config.registries.register_tiny_model`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-TINY_BUILDERS: dict[str, str] = {
+from diffrl.config.registries import TINY_MODELS, register_tiny_model
+
+# name -> "module" (its `build_tiny`) or "module:function" where a module builds several families.
+FAMILY_BUILDERS: dict[str, str] = {
     "sd3": "diffrl.models.sd3",
     "flux": "diffrl.models.flux",
     "qwen_image": "diffrl.models.qwen_image",
@@ -20,9 +24,14 @@ TINY_BUILDERS: dict[str, str] = {
     "qwen_image_edit_plus": "diffrl.models.qwen_image_edit:build_tiny_plus",
     "flux_kontext": "diffrl.models.flux_kontext",
     "wan": "diffrl.models.wan",
-    "toy": "diffrl.toy.model",  # the shapes world's model, untrained (`diffrl sft` trains it)
-    "toy_edit": "diffrl.toy.edit_model:build_toy_edit",  # the shapes edit task's model, untrained
 }
+for _name, _builder in FAMILY_BUILDERS.items():
+    register_tiny_model(_name, _builder)
+
+
+def tiny_model_names() -> list[str]:
+    """What `tiny:<name>` may name: the model families, then the tasks' own tiny models."""
+    return [*FAMILY_BUILDERS, *(name for name in TINY_MODELS if name not in FAMILY_BUILDERS)]
 
 
 def tiny_kl_vae(scaling_factor: float, shift_factor: float):
@@ -49,7 +58,9 @@ def tiny_kl_vae(scaling_factor: float, shift_factor: float):
 
 def build_tiny(family: str, path: str | Path, seed: int = 0) -> Path:
     """Write a tiny random `family` pipeline to `path` and return it."""
-    if family not in TINY_BUILDERS:
-        raise ValueError(f"unknown family {family!r}; tiny builders exist for {', '.join(TINY_BUILDERS)}")
-    module, _, function = TINY_BUILDERS[family].partition(":")
+    if family not in TINY_MODELS:
+        raise ValueError(
+            f"unknown family {family!r}; tiny builders exist for {', '.join(tiny_model_names())}"
+        )
+    module, _, function = TINY_MODELS[family].partition(":")
     return getattr(importlib.import_module(module), function or "build_tiny")(Path(path), seed=seed)

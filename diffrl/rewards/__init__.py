@@ -8,6 +8,7 @@ are imported only when a reward that needs them is built. See docs/rewards.md.
 
 from typing import Any
 
+from diffrl.config.registries import register_reward_check
 from diffrl.rewards import clip, edit, jpeg, ocr, remote, shapes, shapes_edit, user  # noqa: F401  (registration on import)
 from diffrl.rewards.base import ImageReward, Reward, RewardOutput, check_batch
 from diffrl.rewards.multi import MultiReward, RewardBatch, RewardError, RewardSpec, reward_specs
@@ -19,6 +20,9 @@ from diffrl.rewards.registry import (
     register_reward,
     reward_names,
 )
+
+# `reward.functions` is checked with the registry filled above (names, args, weights; no model loads).
+register_reward_check(reward_specs)
 
 # The workers import torch and the trainer's worker group (Ray), which only a run needs; the
 # package itself is imported by config validation (`diffrl config`), so they load on first use.

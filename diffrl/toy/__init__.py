@@ -18,4 +18,20 @@ can be trained, rewarded and evaluated end to end on a CPU:
 
 docs/shapes.md is the user guide. Submodules are imported explicitly (`from diffrl.toy.grammar
 import Scene`), so importing one never pulls in diffusers.
+
+The shapes world plugs into diffrl as a user's task would: its models register here with the
+config's tables (`model.path=tiny:toy`, `tiny:toy_edit`: the untrained initialisations that
+`diffrl sft` trains; `toy:shapes`, `toy:shapes_edit`: the trained ones in `pretrained/`), its
+rewards in `diffrl.rewards.shapes` / `shapes_edit`, its prompt files as `builtin:` data.
 """
+
+from pathlib import Path
+
+from diffrl.config.registries import register_shipped_models, register_tiny_model
+
+#: The trained models shipped with the package (`model.path=toy:<name>`).
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
+
+register_tiny_model("toy", "diffrl.toy.model")  # the shapes world's model, untrained (`diffrl sft` trains it)
+register_tiny_model("toy_edit", "diffrl.toy.edit_model:build_toy_edit")  # the edit task's model, untrained
+register_shipped_models(PRETRAINED_DIR)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffrl.models import PRETRAINED_DIR
+from diffrl.toy import PRETRAINED_DIR
 from diffrl.toy.model import build_toy
 
 ARCH_KEYS = (

@@ -6,9 +6,9 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 
-from diffrl.algos import algorithm, algorithm_settings, algorithms
-from diffrl.algos.kl import KL_STD_CHOICES
 from diffrl.config.checks import ConfigError, require, require_at_least, require_choice, require_positive
+from diffrl.config.choices import KL_STD_CHOICES
+from diffrl.config.registries import algorithm, algorithm_settings, algorithms
 
 
 @dataclass

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffrl.algos import LOOPS
-from diffrl.algos.nft import NFT_ADV_MODES
-from diffrl.algos.rollout_correction import IS_LEVELS, IS_MODES, REJECTION_LEVELS, REJECTIONS
 from diffrl.config.checks import (
     ConfigError,
     require,
@@ -15,6 +12,8 @@ from diffrl.config.checks import (
     require_positive,
     require_step_range,
 )
+from diffrl.config.choices import IS_LEVELS, IS_MODES, NFT_ADV_MODES, REJECTION_LEVELS, REJECTIONS
+from diffrl.config.registries import LOOPS, get_advantage_estimator
 
 
 @dataclass
@@ -84,7 +83,7 @@ class AlgorithmConfig:
     # DiffusionNFT / AWM: [lo, hi) of the rollout schedule's steps whose noise levels σ_lo..σ_{hi-1}
     # the loss trains on (timestep_fraction of them per sample); null = every step's level
     train_step_range: list[int] | None = None
-    # diffusion_nft: how advantages become optimality probabilities (diffrl.algos.nft.NFT_ADV_MODES)
+    # diffusion_nft: how advantages become optimality probabilities (diffrl.config.choices.NFT_ADV_MODES)
     adv_mode: str = "continuous"
     # auto: reuse the rollout's own log-probs when the sampler is the trained module itself
     # (colocated, same dtype, same compile), recompute otherwise; recompute; rollout (always reuse)
@@ -97,8 +96,6 @@ class AlgorithmConfig:
     SAMPLE_SOURCES = ("online", "offline")
 
     def validate(self, at: str) -> None:
-        from diffrl.algos import get_advantage_estimator
-
         require_choice(f"{at}.trainer_type", self.trainer_type, self.TRAINER_TYPES)
         require_choice(f"{at}.sample_source", self.sample_source, self.SAMPLE_SOURCES)
         require_choice(f"{at}.old_log_probs", self.old_log_probs, self.OLD_LOG_PROBS)

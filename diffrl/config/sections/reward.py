@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffrl.config.checks import ConfigError, require_at_least, require_positive
+from diffrl.config.registries import check_reward_functions
 
 
 @dataclass
@@ -27,10 +28,8 @@ class RewardConfig:
 
     def validate(self, at: str) -> None:
         if self.functions:  # an empty set is the trainer's error: `diffrl config` may show one
-            from diffrl.rewards import reward_specs
-
             try:
-                reward_specs(self.functions)  # names, args and weights, without loading any model
+                check_reward_functions(self.functions)  # names, args and weights, loading no model
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         require_at_least(f"{at}.workers", self.workers, 1)

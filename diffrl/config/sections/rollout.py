@@ -13,7 +13,7 @@ from diffrl.config.checks import (
     require_ray_resources,
     require_step_range,
 )
-from diffrl.sde import SDE_KINDS
+from diffrl.config.choices import SDE_KINDS
 
 
 @dataclass
