@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from diffrl.config import RewardConfig, RewardFnConfig
-from diffrl.rewards import (
+from diffrl.rewards import RewardError
+from diffrl.workers.reward_workers import (
     InProcessRewardWorkers,
     RayRewardWorkers,
-    RewardError,
     create_reward_workers,
     gather,
 )
@@ -89,39 +89,41 @@ def test_from_config_in_process():
     workers.close()
 
 
-def test_ray_workers_match_in_process_scores():
+def test_ray_workers_need_a_running_ray():
     import ray
 
-    started = not ray.is_initialized()  # another test module may have started Ray already
-    if started:
-        with pytest.raises(RuntimeError, match=r"needs a running Ray: call ray.init\(\) first"):
-            RayRewardWorkers(FUNCTIONS)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        cfg = RewardConfig(
-            functions={name: RewardFnConfig(**entry) for name, entry in FUNCTIONS.items()},
-            workers=2,
-            cpus_per_worker=1.0,
-        )
-        workers = create_reward_workers(cfg, use_ray=True)
-        assert isinstance(workers, RayRewardWorkers) and len(workers.actors) == 2
-        # where each runs, for the message naming one that dies
-        pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in workers.actors], timeout=60)
-        assert [i.pid for i in workers.identities] == pids
-        handles = [workers.submit(*mb) for mb in _micro_batches()]
-        step = gather(handles, timeout=60)
-        assert all(h.done() for h in handles)
-        workers.close()
-        # An edit run's micro-batch: the ConditionImages travel to the actor, which decodes them.
-        with RayRewardWorkers({"edit_preservation": {}}) as edit_workers:
-            pixels, prompts, metadata, sources = _edit_micro_batch()
-            edit_step = edit_workers.submit(pixels, prompts, metadata, sources=sources).result(timeout=60)
-        # A worker that cannot load its model fails at creation, with the model's own error type.
-        with pytest.raises(FileNotFoundError, match=r"args.model='/no/such/clip' does not exist"):
-            RayRewardWorkers({"clip_score": {"args": {"model": "/no/such/clip"}}})
-    finally:
-        if started:
-            ray.shutdown()
+    # tests/conftest.py stops the shared cluster before a test that does not ask for it
+    assert not ray.is_initialized()
+    with pytest.raises(RuntimeError, match=r"needs a running Ray: call ray.init\(\) first"):
+        RayRewardWorkers(FUNCTIONS)
+
+
+def test_ray_workers_match_in_process_scores(shared_ray):
+    """On the tests' shared Ray cluster (tests/conftest.py), not one of its own: a cluster start is
+    most of this test's time on 2 cores."""
+    import ray
+
+    cfg = RewardConfig(
+        functions={name: RewardFnConfig(**entry) for name, entry in FUNCTIONS.items()},
+        workers=2,
+        cpus_per_worker=1.0,
+    )
+    workers = create_reward_workers(cfg, use_ray=True)
+    assert isinstance(workers, RayRewardWorkers) and len(workers.actors) == 2
+    # where each runs, for the message naming one that dies
+    pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in workers.actors], timeout=60)
+    assert [i.pid for i in workers.identities] == pids
+    handles = [workers.submit(*mb) for mb in _micro_batches()]
+    step = gather(handles, timeout=60)
+    assert all(h.done() for h in handles)
+    workers.close()
+    # An edit run's micro-batch: the ConditionImages travel to the actor, which decodes them.
+    with RayRewardWorkers({"edit_preservation": {}}) as edit_workers:
+        pixels, prompts, metadata, sources = _edit_micro_batch()
+        edit_step = edit_workers.submit(pixels, prompts, metadata, sources=sources).result(timeout=60)
+    # A worker that cannot load its model fails at creation, with the model's own error type.
+    with pytest.raises(FileNotFoundError, match=r"args.model='/no/such/clip' does not exist"):
+        RayRewardWorkers({"clip_score": {"args": {"model": "/no/such/clip"}}})
     expected = _expected()
     with InProcessRewardWorkers({"edit_preservation": {}}, overlap=False) as in_process:
         edit_expected = in_process.submit(*_edit_micro_batch()[:3], sources=_edit_micro_batch()[3]).result()
