@@ -49,11 +49,11 @@ from diffrl.config import load_config
 from diffrl.controller.run import worker_session
 from diffrl.controller.sharding import prompt_shard
 from diffrl.data.prompts import PromptRecord
-from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.telemetry import save_png
 from diffrl.telemetry.images import image_grid
 from diffrl.toy.grammar import balanced_rows
 from diffrl.train.checkpoint import verify_checkpoint
+from diffrl.workers.reward_workers import gather as gather_rewards
 
 #: The seed stream of the rollout sampler's draws here: apart from any training step's.
 DIAGNOSTIC_STEP = 10**6

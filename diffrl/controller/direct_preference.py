@@ -60,11 +60,11 @@ from diffrl.data.preference import (
     save_encodings,
 )
 from diffrl.models.base import PromptEmbeds
-from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.telemetry import peak_over_workers
 from diffrl.train.engine import OLD, POLICY
 from diffrl.train.preference import CleanBatch, PairBatch, conditional, join_worker_metrics
 from diffrl.transition import Rollout
+from diffrl.workers.reward_workers import gather as gather_rewards
 
 _ENCODE_CHUNK = 256  # images read and sent to the workers at a time while building the cache
 

@@ -39,13 +39,13 @@ from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import local_owners, mini_batches
 from diffrl.controller.placement import Colocated, StagedRollout
-from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.seeding import TIMESTEP_SUBSET_STREAM, generator
 from diffrl.telemetry import mfu_metrics, peak_flops, peak_over_workers
 from diffrl.train.batch import TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE
 from diffrl.transition import RolloutSummary
 from diffrl.workers.futures import gather
+from diffrl.workers.reward_workers import gather as gather_rewards
 
 VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train set when no val_files
 

@@ -120,7 +120,7 @@ def _job_processes(cfg: Config, model_workers: int, use_ray: bool) -> Iterator[A
 def _start_rewards(cfg: Config, use_ray: bool, threads: Any) -> tuple[Any, Callable[[], None] | None]:
     """The reward workers and their close; None without reward functions (offline DPO may run
     without rewards: no validation then)."""
-    from diffrl.rewards.workers import create_reward_workers
+    from diffrl.workers.reward_workers import create_reward_workers
     from diffrl.workers.threads import thread_env
 
     if not cfg.reward.functions:

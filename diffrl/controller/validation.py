@@ -22,12 +22,12 @@ import torch
 from diffrl.config.schema import Config
 from diffrl.controller.sharding import prompt_shard
 from diffrl.data import PromptRecord
-from diffrl.rewards.workers import gather as gather_rewards
 from diffrl.telemetry import save_png
 from diffrl.telemetry.console import progress
 from diffrl.telemetry.report import add_accuracy, validation_grid, validation_samples, validation_videos
 from diffrl.transition import Rollout, concat_rollouts
 from diffrl.workers.group import WorkerGroup
+from diffrl.workers.reward_workers import gather as gather_rewards
 
 
 def run_validation(

@@ -9,7 +9,7 @@ worker's node. A dead rollout replica, trainer rank or reward worker is thus ide
 message alone.
 
 The bottom of `diffrl.workers`' calling machinery: it imports nothing of diffrl; the futures
-(`futures`) raise these errors and the Ray groups (`ray_group`, `diffrl.rewards.workers`) learn
+(`futures`) raise these errors and the Ray groups (`ray_group`, `reward_workers`) learn
 the identities. Ray is imported only inside the functions that use it.
 """
 

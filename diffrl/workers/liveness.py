@@ -24,7 +24,7 @@ its own, and an actor with one runs every method on a thread pool instead of its
 thread its constructor ran in, whose grad mode and CUDA device the worker set up).
 
 Builds on `errors`; `futures` waits with it and the Ray groups (`ray_group`,
-`diffrl.rewards.workers`) register their actors. Ray is imported only inside functions.
+`diffrl.workers.reward_workers`) register their actors. Ray is imported only inside functions.
 """
 
 from __future__ import annotations

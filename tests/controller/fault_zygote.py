@@ -24,7 +24,7 @@ from pathlib import Path
 ZYGOTE = textwrap.dedent(
     """
     import json, os, signal, sys, tempfile, time
-    import diffrl.cli, diffrl.controller.run, diffrl.workers.roles, diffrl.rewards.workers, diffrl.train.checkpoint
+    import diffrl.cli, diffrl.controller.run, diffrl.workers.roles, diffrl.workers.reward_workers, diffrl.train.checkpoint
 
     def log_processes():
         # The run's processes (Ray's GCS, raylet, its agents and workers descend from the driver)
@@ -53,7 +53,7 @@ ZYGOTE = textwrap.dedent(
         if what in ("actor", "reward", "trainer", "replica"):
             return kill_worker(what, kill.get("rank", 1), kill.get("when", "start"))
         if what == "rollout":  # the at-th decoded micro-batch handed to the reward workers
-            owner, name = diffrl.rewards.workers.InProcessRewardWorkers, "submit"
+            owner, name = diffrl.workers.reward_workers.InProcessRewardWorkers, "submit"
         elif what == "update":  # entering the at-th optimizer step (earlier ones of the step are done)
             owner, name = diffrl.workers.roles.HybridWorker, "optim_step"
         elif what == "driver_update":  # the driver entering its at-th step update (separate placement,

@@ -24,8 +24,8 @@ import diffrl.controller.run as run
 @contextmanager
 def in_process_pools(cfg: Any) -> Iterator[tuple[Any, Any]]:
     from diffrl.controller.placement import Separate
-    from diffrl.rewards.workers import create_reward_workers
     from diffrl.workers.group import InProcessGroup
+    from diffrl.workers.reward_workers import create_reward_workers
     from diffrl.workers.roles import ActorWorker, RolloutWorker
     from diffrl.workers.threads import set_threads
 

@@ -12,8 +12,9 @@ import torch
 from edit_images import condition_image
 
 from diffrl.data.images import ConditionImage, read_condition_image
-from diffrl.rewards import InProcessRewardWorkers, MultiReward, RewardError, build_reward, check_reward_spec
+from diffrl.rewards import MultiReward, RewardError, build_reward, check_reward_spec
 from diffrl.rewards.base import call_reward, decode_sources, needs_sources, takes_sources
+from diffrl.workers.reward_workers import InProcessRewardWorkers
 
 
 @pytest.fixture

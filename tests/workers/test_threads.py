@@ -9,8 +9,8 @@ import ray
 import ray.cloudpickle
 import torch
 
-from diffrl.rewards.workers import RayRewardWorkers
 from diffrl.workers import RayGroup
+from diffrl.workers.reward_workers import RayRewardWorkers
 from diffrl.workers.threads import (
     THREAD_ENV_VARS,
     available_cores,

@@ -1,5 +1,8 @@
 """Reward workers: score micro-batches as they arrive, so scoring overlaps sampling.
 
+A worker role like the model workers (Ray actors, the same liveness watch and errors); the reward
+functions themselves are `diffrl.rewards`'.
+
 The controller's loop, with either implementation:
 
     workers = create_reward_workers(cfg.reward, use_ray=True)   # models load once per worker
