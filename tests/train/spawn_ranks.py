@@ -36,9 +36,16 @@ def spawn_with_deadlines(
     start_s: float,
     run_s: float,
     what: str,
+    fork: bool = False,
 ) -> None:
-    """`worker(rank, *args)` on `nprocs` processes; kill them all and fail the test if they hang."""
-    context = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    """`worker(rank, *args)` on `nprocs` processes; kill them all and fail the test if they hang.
+
+    `fork`: fork the ranks from this process where the machine has no CUDA (a forked child cannot
+    use CUDA once its parent has asked for it, as the suite's conftest does), instead of spawning
+    fresh interpreters. The ranks then start with this process's imports (torch, diffusers, diffrl:
+    half of a 2-rank CPU test's time on 2 cores) and its module state, monkeypatches included."""
+    start_method = "fork" if fork and not torch.cuda.is_available() else "spawn"
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
     deadline, phase, limit = time.monotonic() + start_s, "start", start_s
     while not context.join(timeout=0.5):
         if phase == "start" and all((Path(out_dir) / f"joined{r}").exists() for r in range(nprocs)):

@@ -66,6 +66,7 @@ def test_batched_replay_under_fsdp2_matches_one_forward_per_step(tiny_model, tmp
             start_s=START_DEADLINE_S,
             run_s=2 * STEP_DEADLINE_S,
             what="batched-replay FSDP2 step",
+            fork=True,
         )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     # `step` counts `_step_loss` calls, the single-step forwards: rank 0's steps are batched now

@@ -232,6 +232,7 @@ def results(tiny_model, tmp_path_factory) -> list[dict]:
             start_s=START_DEADLINE_S,
             run_s=RUN_DEADLINE_S,
             what="sequence-parallel",
+            fork=True,
         )
     finally:
         if previous is None:
