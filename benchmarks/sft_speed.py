@@ -25,9 +25,10 @@ import time
 import torch
 
 from diffrl.config import load_config
-from diffrl.data.images import SHAPES, SHAPES_EDIT, load_image_rows
+from diffrl.data.images import load_image_rows
 from diffrl.data.prompts import load_prompts
 from diffrl.seeding import SFT_STREAM, derive_seed
+from diffrl.toy import SHAPES, SHAPES_EDIT
 from diffrl.workers.roles import ActorWorker, ImageShard
 
 PRESETS = {"toy": ("shapes_sft", "tiny:toy"), "toy_edit": ("shapes_edit_sft", "tiny:toy_edit")}

@@ -35,12 +35,13 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.preflight import preflight_common
 from diffrl.controller.run import job, print_report, run_loop
 from diffrl.data import PromptRecord, PromptSampler
-from diffrl.data.images import SHAPES, SHAPES_EDIT, load_image_rows, open_image
+from diffrl.data.images import load_image_rows, open_image
 from diffrl.files import check_output_dir, write_json
 from diffrl.models import edits_images, read_model_index
 from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampling_file
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.telemetry.health import HealthStop
+from diffrl.toy import SHAPES, SHAPES_EDIT
 from diffrl.train.export import publish_by_workers
 from diffrl.train.export_folder import write_manifest
 from diffrl.workers.roles import ImageShard

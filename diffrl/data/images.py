@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +27,19 @@ import numpy as np
 
 from diffrl.files import open_regular
 
-SHAPES = "shapes"
-#: `sft.images` value that renders shapes-world edits: the target, with the source as the condition.
-SHAPES_EDIT = "shapes_edit"
+#: `sft.images` values whose training images are drawn from the rows instead of read from files,
+#: registered by the task that defines such rows (`register_drawn_images`; the shapes world's
+#: "shapes" and "shapes_edit", diffrl/toy/__init__.py): name -> draw(row, size, seed), a uint8
+#: [size, size, 3] image, or [2, size, size, 3] (the target, then its condition image) for an edit task.
+DRAWN_IMAGES: dict[str, Callable[[Any, int, int], np.ndarray]] = {}
+
+
+def register_drawn_images(name: str, draw: Callable[[Any, int, int], np.ndarray]) -> None:
+    """`sft.images=<name>` draws each row's image with `draw(row, size, seed)` (see DRAWN_IMAGES)."""
+    if name in DRAWN_IMAGES and DRAWN_IMAGES[name] is not draw:
+        raise ValueError(f"sft.images={name!r} is already drawn by {DRAWN_IMAGES[name]!r}; pick another name")
+    DRAWN_IMAGES[name] = draw
+
 
 #: Most pixels a condition image may have. The edit pipelines resize every condition image to about
 #: one megapixel (Qwen-Image-Edit: 1024² for the VAE; FLUX.1 Kontext: its preferred resolutions), so
@@ -200,26 +210,14 @@ def _decoded(image: Any, what: str) -> Any:
 def load_image_rows(
     source: str, rows: Sequence[dict | str], height: int, width: int, seeds: Sequence[int]
 ) -> np.ndarray:
-    """uint8 [N, H, W, 3]. `source` "shapes": rows are scene dicts, rendered with a numpy generator
-    seeded by the row's seed; "shapes_edit": rows are edit dicts (`EditExample.to_dict()`), each
-    drawn afresh from its seed (`diffrl.toy.edit.draw_example`: the row's edit, a new layout), and
-    the result is [N, 2, H, W, 3]: the target, then the source (the condition image); otherwise rows
-    are image paths, checked to be H x W."""
+    """uint8 [N, H, W, 3]. A `source` of DRAWN_IMAGES draws each row from its seed (the shapes
+    world's "shapes": rows are scene dicts; "shapes_edit": edit dicts, the result [N, 2, H, W, 3]: the
+    target, then the condition image); otherwise rows are image paths, checked to be H x W."""
+    draw = DRAWN_IMAGES.get(source)
     images = []
     for row, seed in zip(rows, seeds, strict=True):
-        if source == SHAPES:
-            from diffrl.toy.grammar import Scene
-            from diffrl.toy.render import render
-
-            images.append(render(Scene.from_dict(row), size=height, generator=np.random.default_rng(seed)))
-        elif source == SHAPES_EDIT:
-            from diffrl.toy.edit import EditExample, draw_example, render_example
-
-            edit = EditExample.from_dict(row).edit
-            condition, target = render_example(
-                draw_example(edit, height, np.random.default_rng(seed)), height
-            )
-            images.append(np.stack([target, condition]))
+        if draw is not None:
+            images.append(draw(row, height, seed))
         else:
             with open_image(Path(row), "image") as image:
                 if image.size != (width, height):
@@ -231,4 +229,11 @@ def load_image_rows(
     return np.stack(images)
 
 
-__all__ = ["SHAPES", "SHAPES_EDIT", "ConditionImage", "load_image_rows", "open_image", "read_condition_image"]
+__all__ = [
+    "DRAWN_IMAGES",
+    "ConditionImage",
+    "load_image_rows",
+    "open_image",
+    "read_condition_image",
+    "register_drawn_images",
+]

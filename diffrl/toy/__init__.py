@@ -26,8 +26,10 @@ rewards in `diffrl.rewards.shapes` / `shapes_edit`, its prompt files as `builtin
 """
 
 from pathlib import Path
+from typing import Any
 
 from diffrl.config.registries import register_shipped_models, register_tiny_model
+from diffrl.data.images import register_drawn_images
 
 #: The trained models shipped with the package (`model.path=toy:<name>`).
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
@@ -35,3 +37,34 @@ PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
 register_tiny_model("toy", "diffrl.toy.model")  # the shapes world's model, untrained (`diffrl sft` trains it)
 register_tiny_model("toy_edit", "diffrl.toy.edit_model:build_toy_edit")  # the edit task's model, untrained
 register_shipped_models(PRETRAINED_DIR)
+
+#: `sft.images` values whose images the shapes world draws: a scene (text-to-image) or an edit.
+SHAPES = "shapes"
+SHAPES_EDIT = "shapes_edit"
+
+
+def draw_scene(row: Any, size: int, seed: int) -> Any:
+    """A correct image of the row's scene (`scene` dict), drawn with a numpy generator seeded by `seed`."""
+    import numpy as np
+
+    from diffrl.toy.grammar import Scene
+    from diffrl.toy.render import render
+
+    return render(Scene.from_dict(row), size=size, generator=np.random.default_rng(seed))
+
+
+def draw_edit(row: Any, size: int, seed: int) -> Any:
+    """[2, size, size, 3]: the target, then the source (the condition image) of the row's edit
+    (`EditExample.to_dict()`), drawn afresh from `seed` (`diffrl.toy.edit.draw_example`: the row's
+    edit, a new layout)."""
+    import numpy as np
+
+    from diffrl.toy.edit import EditExample, draw_example, render_example
+
+    edit = EditExample.from_dict(row).edit
+    condition, target = render_example(draw_example(edit, size, np.random.default_rng(seed)), size)
+    return np.stack([target, condition])
+
+
+register_drawn_images(SHAPES, draw_scene)
+register_drawn_images(SHAPES_EDIT, draw_edit)

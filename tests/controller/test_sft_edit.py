@@ -11,9 +11,10 @@ from PIL import Image
 
 from diffrl.cli import main
 from diffrl.controller.sft import sft
-from diffrl.data.images import SHAPES_EDIT, load_image_rows
+from diffrl.data.images import load_image_rows
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.telemetry import read_metrics
+from diffrl.toy import SHAPES_EDIT
 from diffrl.toy.edit import EditExample, builtin_edit_path, draw_example, render_example, write_edit_file
 from diffrl.toy.edit_verify import verify_edit
 
