@@ -40,15 +40,18 @@ Semantics shared by both:
   logged (from the files Ray sends its stdout and stderr to), so a dead rollout replica, trainer
   rank or reward worker is identified from the message alone. `wait_any` waits for the first of
   several calls to finish, with the same fail-fast rule.
+- A Ray worker that dies while idle, or while the controller waits on other workers, is found by
+  the liveness watch (`liveness`, within about a second) and the controller's current or next wait
+  raises its `WorkerError` ("died while idle (its last call: ...)" or "died during ...").
 
 One difference to keep in mind: Ray copies arguments and results (pickling; NumPy arrays come back
 read-only), `InProcessGroup` passes the objects themselves, so a worker that mutates an argument
 in place changes the controller's object only in process. Workers should not mutate arguments.
 
 Where things live, each module importing only from those before it: `errors` (`WorkerError`,
-`WorkerIdentity`, log tails) <- `futures` (`WorkerFuture`, `gather`, `wait_any`, `blame`) <- this
-module (the `WorkerGroup` API, its verbs written once, and `InProcessGroup`) <- `ray_group`
-(`RayGroup`, `ensure_ray`).
+`WorkerIdentity`, log tails) <- `liveness` (the watch on Ray actors) <- `futures` (`WorkerFuture`,
+`gather`, `wait_any`, `blame`) <- this module (the `WorkerGroup` API, its verbs written once, and
+`InProcessGroup`) <- `ray_group` (`RayGroup`, `ensure_ray`).
 """
 
 from __future__ import annotations
