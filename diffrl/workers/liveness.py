@@ -8,7 +8,9 @@ called it, seconds to minutes later. The watch keeps one no-op call (`_probe`) q
 watched actor. Calls to one actor run one at a time, in order, so the probe waits behind whatever
 the actor runs (costing it nothing while it is busy) and Ray fails it as soon as the actor dies;
 an idle actor runs it at once, and it is queued again `PROBE_INTERVAL_S` later. One daemon thread
-per process waits on every probe (`ray.wait`).
+per process looks at every probe ten times a second (`ray.wait` without blocking: a thread blocked
+in Ray when `ray.shutdown` comes makes Ray end the process; a group's `Watch.stop` waits for a look
+to finish).
 
 A death found this way is kept as the `WorkerError` naming the worker (class, rank, node IP, PID,
 what it was doing, its last log lines) until a wait reports it: every wait of `futures` (`gather`,
@@ -29,6 +31,7 @@ Builds on `errors`; `futures` waits with it and the Ray groups (`ray_group`,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -53,6 +56,8 @@ __all__ = [
 PROBE_INTERVAL_S = 0.5
 #: How often a waiting controller looks for a death the watch found.
 POLL_S = 0.2
+# How often the watch's thread looks at its probes (a look does not block in Ray, see `_in_ray`).
+_LOOK_S = 0.1
 
 #: `describe(rank) -> (state, method)`: what the worker of `rank` is doing (WorkerError.state).
 Describe = Callable[[int], tuple[str, str]]
@@ -93,7 +98,11 @@ class _Registry:
     """The watched actors of this process, the deaths found, and the thread that probes."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the state below
+        # Held by the thread while it calls Ray, never while it sleeps: `remove` takes it, so once
+        # a group stopped its watch the thread is not inside Ray (a call into Ray racing
+        # `ray.shutdown` makes Ray end the process). Taken before `_lock`, never after it.
+        self._in_ray = threading.Lock()
         self._keys = itertools.count(1)
         self._watched: list[_Watched] = []
         self._deaths: list[tuple[int, WorkerError]] = []  # (watch key, error), found, not reported
@@ -123,7 +132,7 @@ class _Registry:
         return key
 
     def remove(self, key: int) -> None:
-        with self._lock:
+        with self._in_ray, self._lock:
             self._active.discard(key)
             self._watched = [w for w in self._watched if w.key != key]
             self._deaths = [(k, error) for k, error in self._deaths if k != key]
@@ -155,28 +164,30 @@ class _Registry:
         import ray
 
         while True:
-            with self._lock:
-                if not self._watched or not ray.is_initialized():
-                    self._thread = None
-                    return
-                watched = list(self._watched)
-            try:
-                self._probe_once(ray, watched)
-            except Exception:  # Ray shutting down, an actor handle gone: look again, or end above
-                time.sleep(PROBE_INTERVAL_S)
+            with self._in_ray:
+                with self._lock:
+                    if not ray.is_initialized():  # shut down: what was watched belonged to that cluster
+                        self._watched, self._deaths, self._active = [], [], set()
+                    if not self._watched:
+                        self._thread = None
+                        return
+                    watched = list(self._watched)
+                # Ray shutting down, an actor handle gone: look again, or end above
+                with contextlib.suppress(Exception):
+                    self._probe_once(ray, watched)
+            time.sleep(_LOOK_S)
 
     def _probe_once(self, ray: Any, watched: list[_Watched]) -> None:
+        """One look, without blocking in Ray: queue the probes that are due, then take the
+        finished ones (an idle actor's that ran, a dead actor's that failed)."""
         now = time.monotonic()
         for w in watched:
             if w.probe is None and now >= w.due:
                 w.probe = w.actor.__ray_call__.remote(_probe)
         probes = {w.probe: w for w in watched if w.probe is not None}
-        if not probes:
-            time.sleep(max(0.0, min(w.due for w in watched) - now))
-            return
-        refs = list(probes)
-        ray.wait(refs, num_returns=1, timeout=PROBE_INTERVAL_S, fetch_local=False)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        ready = (
+            ray.wait(list(probes), num_returns=len(probes), timeout=0, fetch_local=False)[0] if probes else []
+        )
         for ref in ready:
             w = probes[ref]
             w.probe = None
