@@ -9,6 +9,7 @@ method) and from `ray.nodes()`, not from the group's `identities`, so a wrong id
 Ray starts once for the module (2 CPUs, 0.5 CPU per worker).
 """
 
+import gc
 import os
 import pickle
 import re
@@ -90,6 +91,9 @@ def ray_cluster():
         finally:
             signal.signal(signal.SIGTERM, previous)
     yield ray.nodes()[0]["NodeManagerAddress"]
+    # Object refs still held in cycles (a caught error's traceback holds the frames that held
+    # them) must go while Ray is up: one freed after ray.shutdown makes Ray end the process.
+    gc.collect()
     if started:
         ray.shutdown()
 
