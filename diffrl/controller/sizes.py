@@ -11,32 +11,21 @@ memory, with the key named in a ConfigError (exit 2) and the largest value that 
   a LoRA of higher rank than the layers it adapts adds memory, not capacity;
 - the images of one step (`data.prompts_per_step x rollout.n`) and of one validation
   (validation prompts x `rollout.val.n`): their pixels and trajectory latents must fit the
-  machine's memory (`estimate_image_bytes`, a lower bound: a refusal means it cannot fit; passing
-  does not promise it will).
+  memory this process may use (`diffrl.models.memory.memory_limit`: physical memory, cgroup v1/v2
+  limits, RLIMIT_AS/RLIMIT_DATA; `estimate_image_bytes`, a lower bound: a refusal means it cannot
+  fit; passing does not promise it will).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from diffrl.config.schema import Config, ConfigError
 from diffrl.models import resolve_model_path
 from diffrl.models.bounds import check_model_bounds
-
-GIB = 1 << 30
-
-
-def machine_memory_bytes() -> int:
-    """The memory this process may use: the machine's physical memory, or the cgroup's limit when lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    except OSError:
-        return total
-    return min(total, int(limit)) if limit.isdigit() else total
+from diffrl.models.memory import GIB, latent_elements, memory_limit
 
 
 def _config(root: Path, name: str) -> dict[str, Any]:
@@ -48,16 +37,14 @@ def _config(root: Path, name: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def estimate_image_bytes(cfg: Config, vae: dict[str, Any]) -> int:
+def estimate_image_bytes(cfg: Config, vae: dict[str, Any] | None) -> int:
     """Bytes one sampled image holds at least while its step runs: its uint8 pixels, and its
-    fp32 latents at every stored point of the SDE window (x_k..x_{k+W} and the W means)."""
+    fp32 latents (`latent_elements`; `vae` None: pixel space) at every stored point of the SDE
+    window (x_k..x_{k+W} and the W means)."""
     pipe = cfg.rollout.pipeline
     frames = max(1, pipe.num_frames)
     pixels = 3 * pipe.height * pipe.width * frames
-    blocks = vae.get("block_out_channels")
-    factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
-    channels = vae.get("latent_channels") if isinstance(vae.get("latent_channels"), int) else 3
-    latent = 4 * channels * (pipe.height // factor) * (pipe.width // factor) * frames
+    latent = 4 * latent_elements(vae, pipe.height, pipe.width, frames)
     window = cfg.rollout.sde.window_size or 1  # null: the window range, at least one step
     return pixels + latent * (2 * window + 1)
 
@@ -85,21 +72,23 @@ def check_sizes(cfg: Config, validation_prompts: int) -> None:
             f"(num_attention_heads {heads} x attention_head_dim {head_dim}): a higher rank adds memory, not "
             f"capacity; set model.lora.rank <= {heads * head_dim}"
         )
-    per_image = estimate_image_bytes(cfg, _config(root, "vae/config.json"))
-    memory = machine_memory_bytes()
+    vae = _config(root, "vae/config.json") if (root / "vae").exists() else None
+    per_image = estimate_image_bytes(cfg, vae)
+    limit = memory_limit()
+    memory = limit.bytes
     step_images = cfg.data.prompts_per_step * cfg.rollout.n
     if step_images * per_image > memory:
         fits = max(1, memory // (per_image * cfg.rollout.n))
         raise ConfigError(
             f"data.prompts_per_step={cfg.data.prompts_per_step} x rollout.n={cfg.rollout.n} = {step_images} images "
             f"per step need at least {step_images * per_image / GIB:.1f} GiB ({per_image} bytes each: pixels and "
-            f"the SDE window's latents), more than this machine's {memory / GIB:.1f} GiB: set "
+            f"the SDE window's latents), more than this machine's {limit.describe()}: set "
             f"data.prompts_per_step <= {fits} (or lower rollout.n)"
         )
     val_images = validation_prompts * cfg.rollout.val.n
     if val_images * per_image > memory:
         raise ConfigError(
             f"rollout.val.n={cfg.rollout.val.n} x {validation_prompts} validation prompts = {val_images} images need "
-            f"at least {val_images * per_image / GIB:.1f} GiB, more than this machine's {memory / GIB:.1f} GiB: "
+            f"at least {val_images * per_image / GIB:.1f} GiB, more than this machine's {limit.describe()}: "
             f"set rollout.val.n <= {max(1, memory // (per_image * max(1, validation_prompts)))}"
         )
