@@ -193,7 +193,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         lora_scale=args.lora_scale,
         images=args.image,
     )
-    print(f"wrote {len(written)} file(s) and samples.jsonl to {args.out}")
+    print(f"wrote {len(written)} file(s) and samples.jsonl to {written[0].parent}")
     return 0
 
 

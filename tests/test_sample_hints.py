@@ -26,9 +26,9 @@ from diffrl.controller.run import train
 
 def _sample_command(printed: str) -> list[str]:
     """The argv of the `diffrl sample ...` command in `printed` (one per line), without `diffrl`."""
-    lines = [line for line in printed.splitlines() if "diffrl sample " in line]
+    lines = [line for line in printed.splitlines() if "diffrl sample --" in line]  # not prose naming it
     assert len(lines) == 1, printed
-    command = lines[0][lines[0].index("diffrl sample ") :]
+    command = lines[0][lines[0].index("diffrl sample --") :]
     return shlex.split(command)[1:]
 
 

@@ -5,22 +5,26 @@ same for every prompt, checked against the family's rules before the model loads
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
-from diffrl.data.images import ConditionImage, read_condition_image
-from diffrl.files import check_output_dir, naming
+from diffrl.data.images import MAX_CONDITION_PIXELS, ConditionImage, read_condition_image
+from diffrl.files import check_output_dir, naming, open_regular
 from diffrl.models import adapter_class, load_model, read_model_index, resolve_model_path
 from diffrl.models.base import ModelAdapter
 from diffrl.models.bounds import check_model_bounds
 from diffrl.models.conditions import check_condition_rows
 from diffrl.models.sampling import GENERIC, ImageGeometry, resolve_sampling
 from diffrl.rollout import TrajectorySampler
+from diffrl.rollout.line_progress import LineProgress
+from diffrl.rollout.sample_memory import check_sample_memory
 from diffrl.telemetry.images import save_gif
 
 
@@ -144,6 +148,41 @@ def check_prompts(prompts: Sequence[str], grammar: str | None, model: str | Mode
                 ) from None
 
 
+def check_image_file(value: str) -> None:
+    """An `--image` value is a file Pillow reads and decodes, else a FileNotFoundError/ValueError
+    worded for the flag. Checked before `read_condition_image` (which also checks the sizes the
+    edit families take), whose messages speak of prompt rows and their file's folder."""
+    path = Path(os.path.abspath(value))
+    flag = f"--image {value!r}"
+    if not os.path.lexists(path):
+        raise FileNotFoundError(
+            f"{flag}: no such file ({path}; a relative path is taken from the current folder): fix the path"
+        )
+    if path.is_dir():
+        raise ValueError(f"{flag} is a folder ({path}): pass the image file to edit")
+    with open_regular(path, flag) as file:
+        try:
+            image = Image.open(file)
+        except Image.DecompressionBombError:
+            raise ValueError(
+                f"{flag}: {path} has more pixels than Pillow opens safely; edit models take at most "
+                f"{MAX_CONDITION_PIXELS:,} (they resize to about one megapixel): downscale it"
+            ) from None
+        except UnidentifiedImageError:
+            raise ValueError(
+                f"{flag}: {path} is not an image Pillow can read (PNG, JPEG, WebP, ...): pass an image file"
+            ) from None
+        with image:
+            if image.size[0] * image.size[1] > MAX_CONDITION_PIXELS:
+                return  # read_condition_image refuses it by its size, without decoding it
+            try:
+                image.load()
+            except (OSError, SyntaxError) as err:  # truncated or corrupt pixel data
+                raise ValueError(
+                    f"{flag}: {path} does not decode ({err}): the file is damaged; pass an intact copy"
+                ) from None
+
+
 def condition_images(model: str | ModelAdapter, paths: Sequence[str | Path]) -> tuple[ConditionImage, ...]:
     """`--image PATH` values, read and checked against the model family's rules on condition
     images (`diffrl.models.conditions`) before the model loads: none for a text-to-image model,
@@ -166,6 +205,13 @@ def condition_images(model: str | ModelAdapter, paths: Sequence[str | Path]) -> 
             f"the model {str(model)!r} ({family.pipeline_class_name}) edits images: give the image to edit with "
             f"--image PATH ({rule.count_text()})"
         )
+    if not rule.min_images <= len(paths) <= rule.max_images:
+        raise ValueError(
+            f"{len(paths)} --image flags given, and the model {str(model)!r} ({family.pipeline_class_name}) takes "
+            f"{rule.count_text()} condition image(s) per prompt: pass --image PATH {rule.count_text()} time(s)"
+        )
+    for path in paths:
+        check_image_file(str(path))
     images = tuple(read_condition_image(str(p), Path.cwd(), f"--image {p}", "--image") for p in paths)
     check_condition_rows(
         rule, [("--image", [(i.name, i.width, i.height) for i in images])], "--image", "--image"
@@ -195,6 +241,7 @@ def generate(
     lora: str | Path | None = None,
     lora_scale: float = 1.0,
     images: Sequence[str | Path] = (),
+    progress: bool = True,
 ) -> list[Path]:
     """Sample `n` images (or videos) per prompt and write them with a manifest, samples.jsonl.
 
@@ -205,8 +252,10 @@ def generate(
     diffrl_sampling.json, else the generic defaults (`sampling_settings`). The device, the LoRA
     directory, the image size, the steps and text length against the model directory's bounds
     (`diffrl.models.bounds`), for a model trained on a prompt grammar the prompts, and for an
-    image-edit model the condition `images` (files, the same for every prompt) are checked before
-    the model loads.
+    image-edit model the condition `images` (files, the same for every prompt), and the memory the
+    samples and one micro-batch's decoding need at least (`diffrl.rollout.sample_memory`) are
+    checked before the model loads. `progress`: rich's bar on a terminal, else plain lines
+    (`LineProgress`).
     """
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
@@ -223,19 +272,11 @@ def generate(
     check_prompts(prompts, settings["prompt_grammar"], model)
     conditions = condition_images(model, images)
     lora_dir = check_lora_dir(lora) if lora is not None else None
-    check_output_dir(out_dir, "--out")
-    if isinstance(model, ModelAdapter):
-        adapter = model
-    else:
-        check_model_bounds(
-            model, {"--steps": settings["steps"]}, {"--max-sequence-length": settings["max_sequence_length"]}
-        )
-        device = device or default_device()
-        check_device(device)
-        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        adapter = load_model(model, dtype=dtype, device=device)
-    if lora_dir is not None:
-        load_lora(adapter, lora_dir, lora_scale)
+    out = Path(os.path.abspath(out_dir))  # `.` and a trailing slash name the folder itself
+    check_output_dir(out, "--out")
+    for flag, value in (("-n", n), ("--micro-batch-size", micro_batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: give at least 1")
     cfg = RolloutConfig(
         n=n,
         micro_batch_size=micro_batch_size,
@@ -252,11 +293,41 @@ def generate(
     )
     cfg.pipeline.validate("sample")
     cfg.val.validate("sample")
-    rollout = TrajectorySampler(adapter, cfg).sample_validation(
+    # rich's bar on a terminal; elsewhere (a log, a pipe) it draws nothing: lines instead
+    report: bool | LineProgress = progress
+    if progress and not sys.stdout.isatty():
+        report = LineProgress(len(prompts) * n, settings["steps"])
+    if isinstance(model, ModelAdapter):
+        adapter = model
+    else:
+        check_model_bounds(
+            model, {"--steps": settings["steps"]}, {"--max-sequence-length": settings["max_sequence_length"]}
+        )
+        device = device or default_device()
+        parsed = check_device(device)
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        check_sample_memory(
+            resolve_model_path(model),
+            prompts=len(prompts),
+            n=n,
+            micro_batch_size=micro_batch_size,
+            height=settings["height"],
+            width=settings["width"],
+            frames=settings["num_frames"],
+            steps=settings["steps"],
+            stochastic=noise_level > 0,
+            dtype=dtype,
+            device=parsed,
+        )
+        if isinstance(report, LineProgress):
+            report.print(f"loading {model} on {device} ({dtype})")
+        adapter = load_model(model, dtype=dtype, device=device)
+    if lora_dir is not None:
+        load_lora(adapter, lora_dir, lora_scale)
+    rollout = TrajectorySampler(adapter, cfg, progress=report).sample_validation(
         list(prompts), images=[conditions] * len(prompts) if conditions else None
     )
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     with naming(out / "samples.jsonl"), open(out / "samples.jsonl", "w") as manifest:

@@ -46,7 +46,7 @@ class TrajectorySampler:
         adapter: ModelAdapter,
         cfg: RolloutConfig,
         *,
-        progress: bool = True,
+        progress: bool | Callable[[], Any] = True,
         log_probs_reused: bool = False,
     ):
         self.adapter = adapter
@@ -370,7 +370,12 @@ class TrajectorySampler:
             return [slice(None)]
         return [slice(s, min(s + micro, batch)) for s in range(0, batch, micro)]
 
-    def _progress_bar(self) -> Progress:
+    def _progress_bar(self) -> Any:
+        """rich's live bar (off with progress=False), or what `progress` makes when it is a callable:
+        an object with rich.progress.Progress's context manager, `add_task` and `advance` (`diffrl
+        sample` prints plain lines where its output is no terminal, `diffrl.rollout.line_progress`)."""
+        if callable(self.progress):
+            return self.progress()
         return Progress(
             TextColumn("{task.description}"),
             BarColumn(),

@@ -299,6 +299,98 @@ def test_sample_sizes_beyond_what_the_model_holds_exit_2_before_it_loads(
     assert message in err, err
 
 
+# ----------------------------------------------------- (2b) memory limits: cgroup v1, sample sizes
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cgroup_v1_8gib(tmp_path, monkeypatch):
+    """The probe's machine: 23.5 GiB of physical memory, the process in a cgroup-v1 memory cgroup
+    limited to 8 GiB (fake /proc and /sys files under a temporary root), no rlimits."""
+    import diffrl.models.memory as memory
+
+    root = tmp_path / "root"
+    files = {
+        "proc/self/mountinfo": "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n",
+        "proc/self/cgroup": "4:memory:/job\n0::/\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "sys/fs/cgroup/memory/job/memory.limit_in_bytes": f"{8 * GIB}\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.setattr(memory, "ROOT", root)
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: int(23.5 * GIB))
+    monkeypatch.setattr(memory, "rlimits", lambda: [])
+    return root
+
+
+def test_a_step_beyond_a_cgroup_v1_limit_is_refused_naming_the_limit(
+    tmp_path, capsys, cgroup_v1_8gib, no_workers
+):
+    """tiny_sd3 at 32x32 (its VAE: 16 latent channels, 8x; window 2) keeps 3*32*32 pixel bytes and
+    4*16*4*4 latent bytes x (2*2 + 1) = 8192 bytes an image, x rollout.n=4: 8 GiB holds 262144
+    prompts a step. 300000 fit the 23.5 GiB the check used to see."""
+    err = train_refused(tmp_path, capsys, "data.prompts_per_step=300000")
+    assert "data.prompts_per_step=300000 x rollout.n=4 = 1200000 images" in err, err
+    assert "more than this machine's 8.0 GiB (cgroup v1 memory.limit_in_bytes of" in err, err
+    assert "set data.prompts_per_step <= 262144" in err, err
+
+
+# tiny:flux's VAE: block_out_channels [8, 8, 16, 16] (8x), 16 latent channels; float32 on the CPU.
+# A sample at H x W keeps its uint8 pixels (3HW bytes) and two fp32 latents (2 x 4 x 16 HW/64 bytes),
+# and its decoding holds 4 full-resolution tensors of 8 channels (4 x 8 x HW x 4 bytes): at 1024^2,
+# 5 MiB kept and 128 MiB decoding; per pixel, 133 bytes for one sample alone.
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--height", "8192", "--width", "8192"],  # 133 x 8192^2 > 8 GiB; sqrt(8 GiB / 133) = 8036
+            "--height 8192 --width 8192: one sample needs at least 8.3 GiB, more than this machine's 8.0 GiB "
+            "(cgroup v1 memory.limit_in_bytes of {root}/sys/fs/cgroup/memory/job): pass --height 8032 "
+            "--width 8032 or less (the same aspect ratio)",
+        ),
+        (
+            ["-n", "64", "--micro-batch-size", "64", "--height", "1024", "--width", "1024"],
+            # (8192 MiB - 64 x 5 MiB) / 128 MiB = 61.5
+            "--micro-batch-size 64: decoding 64 of the 64 samples at once needs at least 8.3 GiB, more than "
+            "this machine's 8.0 GiB (cgroup v1 memory.limit_in_bytes of {root}/sys/fs/cgroup/memory/job): "
+            "pass --micro-batch-size 61 or less",
+        ),
+        (
+            ["-n", "2000", "--height", "1024", "--width", "1024"],  # (8192 - 8 x 128) / 5 = 1433.6
+            "-n 2000: 1 prompt(s) x 2000 = 2000 samples need at least 10.8 GiB, more than this machine's 8.0 GiB",
+        ),
+    ],
+    ids=["size", "micro_batch", "n"],
+)
+def test_sample_beyond_the_memory_limit_exits_2_before_the_model_loads(
+    tmp_path, capsys, tiny_model, no_model_loads, cgroup_v1_8gib, flags, message
+):
+    """The probe's `diffrl sample` runs: 8192^2 printed nothing for 150 s, and 64 samples decoded at
+    once at 1024^2 were killed by the kernel after 183 s; both are refused at once, naming the flag,
+    the bound and the largest value that fits."""
+    model = tiny_model("flux")
+    argv = [
+        "sample",
+        "--model",
+        str(model),
+        "--prompt",
+        "a cat",
+        "--out",
+        str(tmp_path / "s"),
+        "--device",
+        "cpu",
+    ]
+    assert exit_code([*argv, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message.format(root=cgroup_v1_8gib) in err, err
+    if "-n 2000" in message:
+        assert "pass -n 1433 or less" in err, err
+    assert not (tmp_path / "s").exists()
+
+
 # ------------------------------------------------------------------- (6) a full disk
 @pytest.fixture
 def full_disk(tmp_path):
