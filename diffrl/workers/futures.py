@@ -313,20 +313,23 @@ def _slice(deadline: float | None) -> float | None:
 
 
 def _ray_wait(refs: list[Any], num_returns: int, deadline: float | None) -> list[Any]:
-    """`ray.wait(refs, num_returns)` until `deadline`, raising a death the watch finds meanwhile;
-    the ready references (fewer than `num_returns` after the deadline)."""
+    """`ray.wait(refs, num_returns)` until `deadline`; the ready references (fewer than
+    `num_returns` after the deadline). Raises a death the watch found, before waiting and while
+    it waits, also when `refs` are ready: a stream of short calls (requests to the replicas) is
+    always ready, and would not see a trainer rank that died meanwhile."""
     import ray
 
     while True:
+        _raise_death()
         ready, _ = ray.wait(refs, num_returns=num_returns, timeout=_slice(deadline), fetch_local=False)
         if len(ready) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
             return ready
-        _raise_death()
 
 
 def _local_wait(futures: list[concurrent.futures.Future], return_when: str, deadline: float | None) -> None:
-    """`concurrent.futures.wait` until `deadline`, raising a death the watch finds meanwhile."""
+    """`concurrent.futures.wait` until `deadline`, raising a death the watch found (as `_ray_wait`)."""
     while True:
+        _raise_death()
         done, not_done = concurrent.futures.wait(futures, timeout=_slice(deadline), return_when=return_when)
         finished = (
             not not_done
@@ -335,7 +338,6 @@ def _local_wait(futures: list[concurrent.futures.Future], return_when: str, dead
         )
         if finished or (deadline is not None and time.monotonic() >= deadline):
             return
-        _raise_death()
 
 
 def _timeout_error(
