@@ -99,9 +99,10 @@ class _Registry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the state below
-        # Held by the thread while it calls Ray, never while it sleeps: `remove` takes it, so once
-        # a group stopped its watch the thread is not inside Ray (a call into Ray racing
-        # `ray.shutdown` makes Ray end the process). Taken before `_lock`, never after it.
+        # Held by the thread while it calls Ray or holds Ray objects, never while it sleeps:
+        # `remove` takes it, so once a group stopped its watch the thread is not inside Ray and
+        # holds none of its refs (a call into Ray after `ray.shutdown`, the release of a ref
+        # included, makes Ray end the process). Taken before `_lock`, never after it.
         self._in_ray = threading.Lock()
         self._keys = itertools.count(1)
         self._watched: list[_Watched] = []
@@ -175,6 +176,9 @@ class _Registry:
                 # Ray shutting down, an actor handle gone: look again, or end above
                 with contextlib.suppress(Exception):
                     self._probe_once(ray, watched)
+                # Drop the actor handles and probe refs here, while `remove` waits: freeing them
+                # after a ray.shutdown that followed it would be a call into Ray too.
+                del watched
             time.sleep(_LOOK_S)
 
     def _probe_once(self, ray: Any, watched: list[_Watched]) -> None:
