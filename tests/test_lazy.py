@@ -1,25 +1,30 @@
 """diffrl.lazy: a deferred module loads once, on first use, and is safe to first touch from many threads."""
 
+import os
 import subprocess
 import sys
 import textwrap
 
 
-def test_first_use_from_many_threads_at_once_sees_the_whole_module():
-    # A fresh interpreter, so the module is really imported by the racing threads.
+def test_first_use_from_many_threads_at_once_sees_the_whole_module(tmp_path):
+    # A module of our own that takes 0.2 s to execute, so the racing threads really import it
+    # (whatever `import diffrl` imports) and the window for seeing it half-initialised is wide.
+    (tmp_path / "slow_to_import.py").write_text(
+        "import time\ntime.sleep(0.2)\n\ndef add(a, b):\n    return a + b\n\nVALUE = 3\n"
+    )
     code = textwrap.dedent(
         """
         import sys, threading
         from diffrl.lazy import is_deferred, lazy_import
 
-        np = lazy_import("numpy")  # ~0.1 s to import: a wide window for the threads to race in
-        assert "numpy" not in sys.modules and is_deferred(np)
+        mod = lazy_import("slow_to_import")
+        assert "slow_to_import" not in sys.modules and is_deferred(mod)
         errors, start = [], threading.Barrier(16)
 
         def use():
             start.wait()
             try:
-                assert int(np.add(np.int64(1), 2)) == 3
+                assert mod.add(1, 2) == mod.VALUE
             except Exception as err:  # an empty half-initialised module raises AttributeError
                 errors.append(repr(err))
 
@@ -29,11 +34,12 @@ def test_first_use_from_many_threads_at_once_sees_the_whole_module():
         for t in threads:
             t.join()
         assert not errors, errors
-        assert not is_deferred(np) and np.ndarray is sys.modules["numpy"].ndarray
+        assert not is_deferred(mod) and mod.add is sys.modules["slow_to_import"].add
         print("ok")
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
