@@ -153,7 +153,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from diffrl.controller.evaluate import evaluate
 
-    evaluate(args.target, args.overrides, args.out)
+    evaluate(args.target, args.overrides, args.out, with_base=args.with_base)
     return 0
 
 
@@ -267,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("target", help="RUN_DIR, RUN_DIR/checkpoints/step_N, or a model path")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     evaluate.add_argument("--out", help="output folder (default: RUN_DIR/eval/step_N or runs/eval/NAME)")
+    evaluate.add_argument(
+        "--with-base",
+        action="store_true",
+        help="also validate the base model the run started from, on the same prompts and noise, and show "
+        "both side by side (OUT/base_vs_trained.png, a paired per-category table)",
+    )
     evaluate.set_defaults(func=cmd_eval)
 
     export = sub.add_parser(

@@ -11,7 +11,8 @@ works for any finished or interrupted run, and writes:
 - `before_after.png`: the first and the last validation grid side by side; validation uses fixed
   seeds, so each tile pair is the same prompt from the same noise, before and after training. Each
   grid (`validation_grid`) has one row per category, each tile captioned with its prompt and,
-  under it, the verifier's verdict (pass / fail);
+  under it, the verifier's verdict (pass / fail); each grid's label says how many of all its
+  validation's samples passed (`verdict_label`);
 
 and returns a few lines of text for the console. The curve is drawn with Pillow (a line plot
 needs no plotting library).
@@ -97,6 +98,15 @@ def validation_samples(
             row["correct"] = bool(float(accuracy[i]) >= 0.5)
         rows.append(row)
     return rows
+
+
+def verdict_label(label: str, samples_path: Path) -> str:
+    """`label`, and when the validation's sample rows there carry verdicts, how many passed:
+    "step 20: 25/48 pass" (the whole validation, not only the tiles its grid shows)."""
+    rows = read_samples(samples_path) if samples_path.is_file() else []
+    if not rows or any("correct" not in row for row in rows):
+        return label
+    return f"{label}: {sum(bool(row['correct']) for row in rows)}/{len(rows)} pass"
 
 
 def sample_caption(row: Mapping[str, Any]) -> str:
@@ -331,7 +341,10 @@ def write_report(run_dir: str | Path) -> str:
             lines.extend(_headline_lines(validations, first, last))
         grids = [run_dir / "validation" / f"step_{s:06d}.png" for s in (first, last)]
         if first != last and all(g.is_file() for g in grids):
-            side_by_side(grids, [f"step {first}", f"step {last}"], run_dir / "before_after.png")
+            labels = [
+                verdict_label(f"step {s}", path) for s, path in zip((first, last), samples, strict=True)
+            ]
+            side_by_side(grids, labels, run_dir / "before_after.png")
             lines.append(f"before/after samples: {run_dir / 'before_after.png'}")
         videos = run_dir / "validation" / f"step_{last:06d}" / "index.html"
         if videos.is_file():
