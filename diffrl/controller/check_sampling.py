@@ -54,6 +54,9 @@ def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
     calls: list[Call] = []
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if "hidden_states" not in kwargs and isinstance(kwargs.get("x", args[0] if args else None), list):
+            calls.append(_list_call(args, kwargs))
+            return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         text, mask = kwargs.get("encoder_hidden_states"), kwargs.get("encoder_hidden_states_mask")
         guidance, timestep = kwargs.get("guidance"), kwargs.get("timestep")
@@ -72,6 +75,20 @@ def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
         yield calls
     finally:
         handle.remove()
+
+
+def _list_call(args: tuple, kwargs: dict) -> Call:
+    """A forward that takes one tensor per row (Z-Image: `transformer(x, t, cap_feats)`, positional
+    from its pipeline, by name from diffrl): the rows' latents, timesteps and captions as lists."""
+    names = ("x", "t", "cap_feats")
+    x, t, captions = (kwargs[n] if n in kwargs else args[i] for i, n in enumerate(names))
+    return Call(
+        rows=len(x),
+        sample_shape=tuple(x[0].shape),
+        timestep=float(torch.as_tensor(t).flatten()[0]),
+        text_tokens=tuple(int(c.shape[0]) for c in captions),
+        guidance=None,
+    )
 
 
 def _text_tokens(text: torch.Tensor | None, mask: torch.Tensor | None, rows: int) -> tuple[int, ...]:

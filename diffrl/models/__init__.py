@@ -27,6 +27,7 @@ ADAPTERS: dict[str, str] = {
     "QwenImageEditPlusPipeline": "diffrl.models.qwen_image_edit:QwenImageEditPlusAdapter",
     "FluxKontextPipeline": "diffrl.models.flux_kontext:FluxKontextAdapter",
     "WanPipeline": "diffrl.models.wan:WanAdapter",
+    "ZImagePipeline": "diffrl.models.zimage:ZImageAdapter",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -24,6 +24,7 @@ FAMILY_BUILDERS: dict[str, str] = {
     "qwen_image_edit_plus": "diffrl.models.qwen_image_edit:build_tiny_plus",
     "flux_kontext": "diffrl.models.flux_kontext",
     "wan": "diffrl.models.wan",
+    "zimage": "diffrl.models.zimage",
 }
 for _name, _builder in FAMILY_BUILDERS.items():
     register_tiny_model(_name, _builder)
