@@ -27,6 +27,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_ranks(worker: Callable, args: tuple, nprocs: int, *, fork: bool = False, join: bool = True):
+    """`worker(rank, *args)` on `nprocs` processes: `mp.spawn`, or with `fork` on a machine without
+    CUDA, forked from this process (a forked child cannot use CUDA once its parent has asked for
+    it, as the suite's conftest does). Forked ranks start with this process's imports (torch,
+    diffusers, diffrl: most of a 2-rank CPU test's time on 2 cores) and its module state,
+    monkeypatches included, and compute on one thread (`_forked_rank`). Returns mp's context."""
+    if fork and not torch.cuda.is_available():
+        return mp.start_processes(
+            _forked_rank, args=(worker, *args), nprocs=nprocs, join=join, start_method="fork"
+        )
+    return mp.spawn(worker, args=args, nprocs=nprocs, join=join)
+
+
+def _forked_rank(rank: int, worker: Callable, *args) -> None:
+    # One compute thread before anything computes: the parent's OpenMP threads do not exist in a
+    # forked child, and a parallel region over them hangs (a forked rank's first conv did, where
+    # the parent had run convs on 2 threads); PyTorch's forked DataLoader workers do the same.
+    torch.set_num_threads(1)
+    worker(rank, *args)
+
+
 def spawn_with_deadlines(
     worker: Callable,
     args: tuple,
@@ -40,12 +61,8 @@ def spawn_with_deadlines(
 ) -> None:
     """`worker(rank, *args)` on `nprocs` processes; kill them all and fail the test if they hang.
 
-    `fork`: fork the ranks from this process where the machine has no CUDA (a forked child cannot
-    use CUDA once its parent has asked for it, as the suite's conftest does), instead of spawning
-    fresh interpreters. The ranks then start with this process's imports (torch, diffusers, diffrl:
-    half of a 2-rank CPU test's time on 2 cores) and its module state, monkeypatches included."""
-    start_method = "fork" if fork and not torch.cuda.is_available() else "spawn"
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
+    `fork`: as `start_ranks`' (forked where the machine has no CUDA, instead of spawned)."""
+    context = start_ranks(worker, args, nprocs, fork=fork, join=False)
     deadline, phase, limit = time.monotonic() + start_s, "start", start_s
     while not context.join(timeout=0.5):
         if phase == "start" and all((Path(out_dir) / f"joined{r}").exists() for r in range(nprocs)):

@@ -59,6 +59,7 @@ def test_every_rank_sees_a_difference_in_any_ranks_shard(tiny_model, tmp_path):
         start_s=START_DEADLINE_S,
         run_s=RUN_DEADLINE_S,
         what="adapters_equal",
+        fork=True,  # the ranks start from this process's imports (tests/train/spawn_ranks.py)
     )
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for rank, result in enumerate(results):

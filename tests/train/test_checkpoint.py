@@ -405,14 +405,14 @@ def _sharded_worker(rank: int, port: int, tiny_dir: str, out: str) -> None:
 def test_checkpoint_and_export_under_fsdp2(tiny_model, tmp_path):
     import socket
 
-    import torch.multiprocessing as mp
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    from spawn_ranks import start_ranks
 
     tiny = tiny_model("sd3")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_sharded_worker, args=(port, str(tiny), str(tmp_path)), nprocs=WORLD, join=True)
+    start_ranks(_sharded_worker, (port, str(tiny), str(tmp_path)), WORLD, fork=True)
     result = torch.load(tmp_path / "result.pt", weights_only=True)
 
     # Resuming a sharded run from its checkpoint continues it exactly.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import start_ranks
 
 import diffrl.train.checkpoint as checkpoint
 
@@ -57,7 +57,7 @@ def _run(tmp_path: Path, failing_rank: int, failing_stage: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path), failing_rank, failing_stage), nprocs=WORLD, join=True)
+    start_ranks(_worker, (port, str(tmp_path), failing_rank, failing_stage), WORLD, fork=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -141,6 +141,7 @@ def sharded_runs(tiny_model, micro_batches, tmp_path_factory):
             start_s=START_DEADLINE_S,
             run_s=2 * STEP_DEADLINE_S,
             what="DanceGRPO FSDP2 step",
+            fork=True,  # the ranks start from this process's imports (tests/train/spawn_ranks.py)
         )
     return shards, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 

@@ -340,6 +340,7 @@ def test_fsdp2_engine_moves_and_offloads_like_a_plain_one(tiny_model, tmp_path, 
         start_s=START_DEADLINE_S,
         run_s=RUN_DEADLINE_S,
         what="FSDP2 offload",
+        fork=True,  # the ranks start from this process's imports (tests/train/spawn_ranks.py)
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for result in ranks:

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
+from spawn_ranks import start_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
@@ -222,7 +223,7 @@ def sharded(tiny_model, tmp_path_factory):
     """Every rank's results from one 2-process gloo run of all scenarios."""
     model_dir = str(tiny_model("sd3"))
     out_dir = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(_free_port(), model_dir, str(out_dir)), nprocs=WORLD, join=True)
+    start_ranks(_worker, (_free_port(), model_dir, str(out_dir)), WORLD, fork=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

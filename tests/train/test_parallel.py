@@ -103,6 +103,7 @@ def test_replicated_ranks_take_one_process_step_and_stay_identical(
         start_s=START_DEADLINE_S,
         run_s=STEP_DEADLINE_S,
         what="replicated (ddp) step",
+        fork=True,  # the ranks start from this process's imports (tests/train/spawn_ranks.py)
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     single = engine_for(model_dir, "none")
