@@ -236,3 +236,20 @@ def test_bad_directories_and_tokens_are_errors_naming_them(judges, tmp_path):
         _judge(judges["qwen2_5_vl"], yes_token="Yes please")
     with pytest.raises(ValueError, match=r"max_pixels=100 is below the image processor's minimum of 784"):
         _judge(judges["qwen2_5_vl"], max_pixels=100)
+
+
+def test_served_over_http_it_scores_as_it_does_in_process(judges):
+    from diffrl.rewards.server import start_reward_server
+
+    result = _pixels(2, seed=9)
+    source = _pixels(1, seed=10, height=28, width=28)[0]
+    rows = [{"questions": ["Is there a cat?", "Is it red?"]}, {}]
+    judge = _judge(judges["qwen2_5_vl"])
+    local = judge(result, ["make it red", "add a cat"], rows, sources=[(source,), (source,)])
+    with start_reward_server("vlm_judge", {"model": str(judges["qwen2_5_vl"]), "device": "cpu"}) as server:
+        client = build_reward("http", {"url": server.url, "timeout": 30})
+        assert client.health()["sources"] is True
+        remote = client(result, ["make it red", "add a cat"], rows, sources=[(source,), (source,)])
+    # PNG on the wire is lossless: the very same pixels, so the same scores
+    torch.testing.assert_close(remote.scores_B, local.scores_B, rtol=0, atol=1e-6)
+    torch.testing.assert_close(remote.extras["min_p_yes"], local.extras["min_p_yes"], rtol=0, atol=1e-6)
