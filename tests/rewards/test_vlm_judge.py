@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from diffrl.rewards import MultiReward, build_reward, check_reward_spec, reward_names
-from diffrl.rewards.base import takes_sources
+from diffrl.rewards.base import takes_sources, to_pil
 from diffrl.rewards.registry import spec_needs_sources
 from diffrl.rewards.tiny_vlm import save_tiny_vlm
 from diffrl.rewards.vlm_judge import DEFAULT_EDIT_TEMPLATE, DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE
@@ -60,9 +60,9 @@ class ByHand:
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         self.images = AutoImageProcessor.from_pretrained(directory)
 
-    def __call__(self, images, question):
+    def __call__(self, images, question, size=None):
         pil = [Image.fromarray(np.ascontiguousarray(x.permute(1, 2, 0).numpy())) for x in images]
-        vision = self.images(images=pil, return_tensors="pt")
+        vision = self.images(images=pil, return_tensors="pt", **({} if size is None else {"size": size}))
         text = SYSTEM[self.family] + "<|im_start|>user\n"
         for grid in vision["image_grid_thw"]:
             text += "<|vision_start|>" + "<|image_pad|>" * (int(grid.prod()) // 4) + "<|vision_end|>"
@@ -167,6 +167,23 @@ def test_through_multi_reward_an_edit_run_hands_it_the_condition_images(judges):
     direct = _judge(judges["qwen3_vl"])(result, ["make it red"] * 2, None, sources=[(source,), (source,)])
     torch.testing.assert_close(out.scores["vlm_judge"], direct.scores_B)
     assert not spec_needs_sources("vlm_judge")  # text-to-image runs use it too
+
+
+def test_max_pixels_bounds_each_images_tokens(judges):
+    pixels = _pixels(2, seed=11, height=56, width=56)  # 4 tokens' worth at the processor's bound
+    judge = _judge(judges["qwen2_5_vl"], max_pixels=28 * 28)
+    assert judge.scorer.inputs([([to_pil(pixels[:1])[0]], "Is it?")])["image_grid_thw"].tolist() == [
+        [1, 2, 2]
+    ]
+    by_hand = ByHand(judges["qwen2_5_vl"], "qwen2_5_vl")
+    size = {"shortest_edge": 28 * 28, "longest_edge": 28 * 28}
+    expected = [by_hand([pixels[i]], _ask(p), size) for i, p in enumerate(PROMPTS[:2])]
+    torch.testing.assert_close(
+        judge(pixels, PROMPTS[:2], None).scores_B, torch.tensor(expected), rtol=0, atol=1e-5
+    )
+    assert by_hand([pixels[0]], _ask(PROMPTS[0])) != pytest.approx(
+        expected[0], abs=1e-4
+    )  # the bound mattered
 
 
 def test_video_frames_are_judged_one_by_one_and_averaged(judges):
