@@ -25,6 +25,7 @@ BASE = [
     "trainer.test_freq=3",
     "trainer.val_before_train=false",
     "trainer.loggers=[jsonl]",
+    "trainer.check_at_start=false",  # the start-up check is not what these test
 ]
 SEPARATE = ["trainer.placement=separate", "rollout.replicas=2", "rollout.requests_in_flight=1"]
 # Wall clock, and what only a separate run has: weight-sync costs, weight versions, pool times.
@@ -91,53 +92,111 @@ def _adapter_bytes(cfg) -> int:
     )
 
 
-def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def synced_pools(shared_ray, tmp_path_factory) -> dict:
+    """One separate session with KL (so the replicas also run the reference pass), driven step by
+    step: two updates, each followed by a weight sync, then batch 3 sampled three ways (default
+    passes; both passes with the sample; the reference pass with the sample and the policy's
+    later, as one step off does), each staged on the trainer rank beside its own passes of the
+    same rows. Two tests read what it saw: a session starts three model workers, most of its time."""
+    tmp_path = tmp_path_factory.mktemp("synced_pools")
     cfg = load_config(
-        BASE[0], [*BASE[1:], *SEPARATE, "trainer.total_steps=2", f"trainer.output_dir={tmp_path}"]
+        BASE[0],
+        [
+            *BASE[1:],
+            *SEPARATE,
+            "trainer.total_steps=2",
+            "actor.loss.kl_coef=0.01",
+            f"trainer.output_dir={tmp_path}",
+        ],
     )
-    train_records, _ = preflight(cfg)
-    with (
-        placement_session(cfg) as (placement, rewards),
-        RunLogger(tmp_path, ["jsonl"], total_steps=2, config={}, run_name="sync") as logger,
-    ):
-        assert isinstance(placement, Separate)
-        loop = PolicyGradientTrainer(
-            cfg,
-            tmp_path,
-            reuse_rollout_log_probs=False,
-            placement=placement,
-            rewards=rewards,
-            train_records=train_records,
-            val_records=[],
-            logger=logger,
+    seen: dict = {"cfg": cfg, "steps": []}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        env.setenv("DIFFRL_CACHE", str(shared_ray))
+        train_records, _ = preflight(cfg)
+        with (
+            placement_session(cfg) as (placement, rewards),
+            RunLogger(tmp_path, ["jsonl"], total_steps=2, config={}, run_name="sync") as logger,
+        ):
+            seen["placement_type"] = type(placement)
+            loop = PolicyGradientTrainer(
+                cfg,
+                tmp_path,
+                reuse_rollout_log_probs=False,
+                placement=placement,
+                rewards=rewards,
+                train_records=train_records,
+                val_records=[],
+                logger=logger,
+            )
+            for step in (1, 2):
+                loop.step = step
+                loop.train_step()
+                sent = placement.sync_weights(step)
+                seen["steps"].append(
+                    {
+                        "sent": sent,
+                        "trainer": placement.trainer.call("weight_digest")[0],
+                        "replicas": placement.replicas.call("weight_digest"),
+                    }
+                )
+            records = train_records[: cfg.data.prompts_per_step]
+            uids = [str(i) for i in range(len(records))]
+            staged = placement.sample(records, uids, step=3, rewards=rewards).result()
+            full = staged.fetch()
+            seen["staged"] = {
+                "parts": list(staged.parts),
+                "summary": staged.summary,
+                "fetched_log_probs": full.samples.log_probs_BW,
+                "fetched_uids": full.sample_uids(),
+            }
+            with_sample = placement.sample(
+                records, uids, step=3, rewards=rewards, passes=("default", "reference")
+            ).result()
+            later = placement.sample(records, uids, step=3, rewards=rewards, passes=("reference",)).result()
+            seen["later_had_default"] = later.computed("default")
+            placement.evaluate_later(later, ["default"], version=2)
+            rows = slice(0, cfg.images_per_step)
+            seen["passes"] = {}
+            for name, sampled in (("with_sample", with_sample), ("later", later)):
+                placement.trainer.call("stage", sampled.parts)
+                for policy in ("default", "reference"):
+                    replica_lp, replica_means = sampled.pass_result(policy)
+                    trainer_lp, trainer_means = placement.trainer.call(
+                        "staged_log_probs", rows, policy=policy
+                    )[0]
+                    seen["passes"][name, policy] = {
+                        "parts": len(sampled.parts),
+                        "replica": (replica_lp, torch.cat(ray.get(replica_means))),
+                        "trainer": (trainer_lp, ray.get(trainer_means)),
+                    }
+            seen["sampler_log_probs"] = with_sample.summary.log_probs_BW
+    return seen
+
+
+def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(synced_pools):
+    cfg = synced_pools["cfg"]
+    assert synced_pools["placement_type"] is Separate
+    for step, seen in enumerate(synced_pools["steps"], start=1):
+        assert all(replica == seen["trainer"] for replica in seen["replicas"]), (
+            f"step {step}: replica weights differ"
         )
-        digests = []
-        for step in (1, 2):
-            loop.step = step
-            loop.train_step()
-            sent = placement.sync_weights(step)
-            trainer = placement.trainer.call("weight_digest")[0]
-            replicas = placement.replicas.call("weight_digest")
-            assert all(replica == trainer for replica in replicas), f"step {step}: replica weights differ"
-            digests.append(trainer)
-            # after the first (full) sync, only adapter bytes move
-            assert sent["weight_sync/full"] == 0.0
-            assert sent["weight_sync/bytes"] == _adapter_bytes(cfg)
-        assert digests[0] != digests[1]  # the update changed what was synced
-        # The controller gets summaries; the trajectories go to the trainer ranks as object
-        # references (two requests of one micro-batch each), and the staged copy is the replicas'.
-        records = train_records[: cfg.data.prompts_per_step]
-        staged = placement.sample(
-            records, [str(i) for i in range(len(records))], step=3, rewards=rewards
-        ).result()
-        assert len(staged.parts) == 2 and all(isinstance(part, ray.ObjectRef) for part in staged.parts)
-        assert len(staged.summary) == cfg.images_per_step
-        assert not any(
-            isinstance(v, torch.Tensor) and v.numel() > 64 * 4 for v in vars(staged.summary).values()
-        )
-        full = staged.fetch()
-        assert torch.equal(full.samples.log_probs_BW, staged.summary.log_probs_BW)
-        assert full.sample_uids() == staged.summary.sample_uids()
+        # after the first (full) sync, only adapter bytes move
+        assert seen["sent"]["weight_sync/full"] == 0.0
+        assert seen["sent"]["weight_sync/bytes"] == _adapter_bytes(cfg)
+    first, second = synced_pools["steps"]
+    assert first["trainer"] != second["trainer"]  # the update changed what was synced
+    # The controller gets summaries; the trajectories go to the trainer ranks as object
+    # references (two requests of one micro-batch each), and the staged copy is the replicas'.
+    staged = synced_pools["staged"]
+    assert len(staged["parts"]) == 2 and all(isinstance(part, ray.ObjectRef) for part in staged["parts"])
+    assert len(staged["summary"]) == cfg.images_per_step
+    assert not any(
+        isinstance(v, torch.Tensor) and v.numel() > 64 * 4 for v in vars(staged["summary"]).values()
+    )
+    assert torch.equal(staged["fetched_log_probs"], staged["summary"].log_probs_BW)
+    assert staged["fetched_uids"] == staged["summary"].sample_uids()
 
 
 @pytest.fixture(scope="module")
@@ -201,66 +260,25 @@ def test_separate_replicas_sample_merged_as_the_colocated_worker_does(tmp_path):
         assert math.isfinite(colocated[step]["actor/loss"])
 
 
-def test_replica_passes_equal_the_trainers_bitwise(tmp_path):
+def test_replica_passes_equal_the_trainers_bitwise(synced_pools):
     """The balanced pools' proof: after a (gloo) weight sync the replicas' log-probs and SDE means,
     computed with the sample or later (`evaluate_later`, the one-step-off path), are bitwise the
     trainer ranks' own `staged_log_probs` of the same rows, for the trained policy and for the
     reference (the adapters disabled); and after two updates the two policies differ, so the
     comparison cannot pass with a zero adapter."""
-    cfg = load_config(
-        BASE[0],
-        [
-            *BASE[1:],
-            *SEPARATE,
-            "trainer.total_steps=2",
-            "actor.loss.kl_coef=0.01",
-            f"trainer.output_dir={tmp_path}",
-        ],
-    )
-    assert cfg.rollout_passes == ("default", "reference")  # auto: one trainer rank, LoRA
-    train_records, _ = preflight(cfg)
-    with (
-        placement_session(cfg) as (placement, rewards),
-        RunLogger(tmp_path, ["jsonl"], total_steps=2, config={}, run_name="passes") as logger,
-    ):
-        loop = PolicyGradientTrainer(
-            cfg,
-            tmp_path,
-            reuse_rollout_log_probs=False,
-            placement=placement,
-            rewards=rewards,
-            train_records=train_records,
-            val_records=[],
-            logger=logger,
-        )
-        for step in (1, 2):
-            loop.step = step
-            loop.train_step()
-        placement.sync_weights(2)
-        records = train_records[: cfg.data.prompts_per_step]
-        uids = [str(i) for i in range(len(records))]
-        with_sample = placement.sample(
-            records, uids, step=3, rewards=rewards, passes=("default", "reference")
-        ).result()
-        later = placement.sample(records, uids, step=3, rewards=rewards, passes=("reference",)).result()
-        assert not later.computed("default")
-        placement.evaluate_later(later, ["default"], version=2)
-        rows = slice(0, cfg.images_per_step)
-        for staged in (with_sample, later):
-            assert len(staged.parts) == 2  # two requests, joined on the trainer
-            placement.trainer.call("stage", staged.parts)
-            for policy in ("default", "reference"):
-                replica_lp, replica_means = staged.pass_result(policy)
-                trainer_lp, trainer_means = placement.trainer.call("staged_log_probs", rows, policy=policy)[0]
-                assert torch.equal(replica_lp, trainer_lp), policy
-                assert torch.equal(torch.cat(ray.get(replica_means)), ray.get(trainer_means)), policy
-        policy_lp, reference_lp = (
-            with_sample.pass_result("default")[0],
-            with_sample.pass_result("reference")[0],
-        )
-        assert not torch.equal(policy_lp, reference_lp)
-        # the sampler's own log-probs: the same policy, not asserted bitwise (the sampler's path)
-        torch.testing.assert_close(with_sample.summary.log_probs_BW, policy_lp, rtol=1e-4, atol=1e-4)
+    assert synced_pools["cfg"].rollout_passes == ("default", "reference")  # auto: one trainer rank, LoRA
+    assert not synced_pools["later_had_default"]
+    for (name, policy), seen in synced_pools["passes"].items():
+        assert seen["parts"] == 2, name  # two requests, joined on the trainer
+        (replica_lp, replica_means), (trainer_lp, trainer_means) = seen["replica"], seen["trainer"]
+        assert torch.equal(replica_lp, trainer_lp), (name, policy)
+        assert torch.equal(replica_means, trainer_means), (name, policy)
+    assert len(synced_pools["passes"]) == 4
+    policy_lp = synced_pools["passes"]["with_sample", "default"]["replica"][0]
+    reference_lp = synced_pools["passes"]["with_sample", "reference"]["replica"][0]
+    assert not torch.equal(policy_lp, reference_lp)
+    # the sampler's own log-probs: the same policy, not asserted bitwise (the sampler's path)
+    torch.testing.assert_close(synced_pools["sampler_log_probs"], policy_lp, rtol=1e-4, atol=1e-4)
 
 
 def test_one_step_off_with_replica_passes_trains_as_with_trainer_passes(one_step_off_runs):
