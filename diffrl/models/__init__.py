@@ -28,6 +28,7 @@ ADAPTERS: dict[str, str] = {
     "FluxKontextPipeline": "diffrl.models.flux_kontext:FluxKontextAdapter",
     "WanPipeline": "diffrl.models.wan:WanAdapter",
     "ZImagePipeline": "diffrl.models.zimage:ZImageAdapter",
+    "Flux2KleinPipeline": "diffrl.models.flux2:Flux2KleinAdapter",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -25,6 +25,8 @@ FAMILY_BUILDERS: dict[str, str] = {
     "flux_kontext": "diffrl.models.flux_kontext",
     "wan": "diffrl.models.wan",
     "zimage": "diffrl.models.zimage",
+    "flux2_klein": "diffrl.models.flux2",
+    "flux2_klein_base": "diffrl.models.flux2:build_tiny_base",
 }
 for _name, _builder in FAMILY_BUILDERS.items():
     register_tiny_model(_name, _builder)

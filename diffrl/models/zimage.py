@@ -312,6 +312,18 @@ def _pad_rows(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torc
 
 
 # ---------------------------------------------------------------------------------- tiny builder
+def tiny_qwen3_tokenizer():
+    """A byte-level BPE `Qwen2Tokenizer` built offline (`qwen_image.tiny_qwen2_tokenizer`, trained
+    on Qwen3's chat format) carrying `QWEN3_CHAT_TEMPLATE`: the tokenizer of the tiny Z-Image and
+    FLUX.2 [klein] pipelines, whose Qwen3 text encoders read chat-templated prompts."""
+    from diffrl.models.qwen_image import tiny_qwen2_tokenizer
+
+    # The template's prefix "<|im_start|>user\n" is 3 tokens: <|im_start|>, "user", "\n".
+    tokenizer = tiny_qwen2_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", 3)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_tiny(path: Path, seed: int = 0) -> Path:
     """Write a tiny random Z-Image-Turbo-shaped pipeline (real diffusers/transformers classes) to `path`.
 
@@ -325,12 +337,8 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from diffrl.models.qwen_image import tiny_qwen2_tokenizer
-
     text_dim = 32
-    # The template's prefix "<|im_start|>user\n" is 3 tokens: <|im_start|>, "user", "\n".
-    tokenizer = tiny_qwen2_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", 3)
-    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    tokenizer = tiny_qwen3_tokenizer()
     ids = tokenizer.convert_tokens_to_ids
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
