@@ -136,8 +136,6 @@ def layout_name(trainer: int, replicas: int) -> str:
 
 
 def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args: argparse.Namespace) -> dict:
-    from omegaconf import OmegaConf
-
     from diffrl.controller.run import train
 
     trainer, replicas = layout
@@ -163,7 +161,7 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
     start = time.perf_counter()
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
-    strategy = OmegaConf.load(run_dir / "config.yaml").actor.strategy
+    strategy = json.loads((run_dir / "plan.json").read_text())["strategy"]  # the run plan's choice
     summary = summarise_run(run_dir, args.warmup, args.steps)
     if args.profile:
         summary["profile"] = profile_summary(run_dir, total)

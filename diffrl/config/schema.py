@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from diffrl.config.checks import ConfigError, require, require_choice
-from diffrl.config.registries import DIRECT_PREFERENCE, POLICY_GRADIENT, SAMPLES, algorithms
+from diffrl.config.plan import request_size
+from diffrl.config.registries import DIRECT_PREFERENCE, PAIRS, POLICY_GRADIENT, SAMPLES, algorithm, algorithms
 from diffrl.config.sections.actor import ActorConfig, LossConfig, OptimConfig
 from diffrl.config.sections.algorithm import AlgorithmConfig, OldPolicyConfig, RolloutCorrectionConfig
 from diffrl.config.sections.data import DataConfig
@@ -105,6 +106,7 @@ class Config:
                 f"{self.world_size} worker(s)",
             )
             return self
+        self._check_loop()
         if self.algorithm.sample_source == "online":
             require(
                 n >= 2,
@@ -232,6 +234,53 @@ class Config:
         )
         return self
 
+    def _check_loop(self) -> None:
+        """The loss and the loop fit each other, in both directions (a policy-gradient loss needs SDE
+        transitions and log-probs, a direct-preference loss clean samples at fresh noise levels),
+        and no direct-preference setting would be silently ignored or fail late."""
+        algo, mode = self.algorithm, self.actor.loss.mode
+        spec = algorithm(mode)
+        if spec.loop != algo.trainer_type:
+            raise ConfigError(
+                f"actor.loss.mode={mode} needs algorithm.trainer_type={spec.loop}, but it is "
+                f"{algo.trainer_type}: set algorithm.trainer_type={spec.loop}, or choose a "
+                f"{algo.trainer_type} loss"
+            )
+        if algo.trainer_type != DIRECT_PREFERENCE:
+            return
+        if algo.sample_source == "offline":
+            if getattr(spec, "trains_on", None) != PAIRS:
+                on_pairs = "/".join(s.name for s in algorithms(DIRECT_PREFERENCE) if s.trains_on == PAIRS)
+                raise ConfigError(
+                    f"algorithm.sample_source=offline reads preference pairs, which only actor.loss.mode="
+                    f"{on_pairs} trains on (got {mode}): set actor.loss.mode={on_pairs}, or "
+                    "algorithm.sample_source=online"
+                )
+            if self.rollout.n != 2:
+                raise ConfigError(
+                    f"rollout.n={self.rollout.n}: with algorithm.sample_source=offline each row is a group of "
+                    "two images (chosen, rejected), so set rollout.n=2 (actor.mini_batch_size counts images)"
+                )
+        defaults = AlgorithmConfig()
+        if algo.rollout_correction != defaults.rollout_correction:
+            raise ConfigError(
+                "algorithm.rollout_correction has no effect with algorithm.trainer_type=direct_preference "
+                "(no SDE log-probs are compared): leave it at its defaults"
+            )
+        # the algorithm's own rule (diffrl.algos.spec.DirectPreferenceSpec.needs_old_adapter)
+        uses_old = spec.needs_old_adapter(self.actor.loss)
+        if algo.old_policy != defaults.old_policy and not uses_old:
+            raise ConfigError(
+                f"algorithm.old_policy has no effect with actor.loss.mode={mode} (no `old` adapter): leave it "
+                "at its defaults, or use an algorithm with an `old` adapter (docs/algorithms.md), e.g. "
+                "diffusion_nft, or awm with actor.loss.awm_ema_kl_coef > 0"
+            )
+        if uses_old and self.model.lora.rank <= 0:
+            raise ConfigError(
+                f"actor.loss.mode={mode} needs an `old` adapter, which exists only with LoRA: set "
+                "model.lora.rank > 0"
+            )
+
     def _validate_replay(self) -> None:
         """`actor.replay_steps_per_forward` (batched replay, diffrl.train.replay) against the rest."""
         replay = self.actor.replay_steps_per_forward
@@ -351,46 +400,16 @@ class Config:
     @property
     def _request_size(self) -> int:
         """Samples in one replica request: whole prompt groups of one sampler micro-batch."""
-        return max(1, self.rollout.micro_batch_size // self.rollout.n) * self.rollout.n
+        return request_size(self)
 
     @property
     def rollout_passes(self) -> tuple[str, ...]:
-        """The passes without gradient that the rollout replicas run (`rollout.log_prob_passes`):
-        `default` (the recomputed old log-probs) and `reference` (the KL reference's means),
-        or none: they then run on the trainer ranks.
+        """Deprecated: the run plan decides where the passes without gradient run
+        (`diffrl.config.plan.resolve_plan(cfg).rollout_passes`, with the machine's facts); this is
+        that plan's answer without them, kept until the last test reading it moves to the plan."""
+        from diffrl.config.plan import resolve_plan
 
-        `auto` moves them when the replica computes bitwise what the trainer would: separate
-        placement, policy-gradient training, requests that split into the trainer's micro-batches.
-        The old log-probs move only when the trainer computes with the weights' own dtypes (one
-        rank, or ddp): FSDP2's mixed precision casts the fp32 LoRA weights to the compute dtype,
-        the replica does not; and, compiled, only with LoRA: the trainer recomputes them through
-        its training graph, which a replica traces only with its trained adapter requiring grad
-        (full fine-tuning would need every weight to). The reference pass (LoRA: the adapters
-        disabled, the base weights in their own dtype on both sides) moves whenever LoRA is on; full fine-tuning keeps its frozen
-        reference copy on the trainer only. With trainer.async_mode=bounded the old log-probs stay
-        on the trainer: the replicas receive the weights the update starts from only after sampling
-        the batches already in flight, so a pass there would stall the update."""
-        choice = self.rollout.log_prob_passes
-        if (
-            choice == "trainer"
-            or self.trainer.placement != "separate"
-            or self.algorithm.trainer_type != POLICY_GRADIENT
-        ):
-            return ()
-        if choice == "auto" and self._request_size % self.actor.micro_batch_size:
-            return ()
-        passes = []
-        # compiled, the trainer recomputes through its training graph, which a replica runs too
-        # only with LoRA (workers.rollout_worker.computes_as_trained)
-        exact = (self.world_size == 1 or self.actor.strategy == "ddp") and (
-            not self.model.compile or self.model.lora.rank > 0
-        )
-        bounded = self.trainer.async_mode == "bounded"
-        if not self.reuses_rollout_log_probs and not bounded and (choice == "rollout" or exact):
-            passes.append("default")
-        if self.actor.loss.kl_coef > 0 and self.model.lora.rank > 0:
-            passes.append("reference")
-        return tuple(passes)
+        return resolve_plan(self).rollout_passes
 
     @property
     def rollout_seed(self) -> int:

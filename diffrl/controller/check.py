@@ -31,6 +31,7 @@ import torch
 
 from diffrl.algos import DIRECT_PREFERENCE
 from diffrl.config import load_config
+from diffrl.config.plan import RunPlan
 from diffrl.config.schema import Config
 from diffrl.controller.check_report import PASS, CheckReport, CheckRow, skipped
 from diffrl.controller.check_resources import memory_rows, reward_rows, weight_sync_rows
@@ -44,10 +45,10 @@ PIPELINE_PROMPTS = 2
 def check(source: str | None, overrides: Sequence[str] = (), *, quick: bool = False) -> CheckReport:
     """Load the config (`diffrl config` semantics), run every check, return the report."""
     cfg = load_config(source, overrides)
-    from diffrl.controller.preflight import preflight
+    from diffrl.controller.preflight import preflight, run_plan
 
     train_records, val_records = preflight(cfg)
-    return check_config(cfg, train_records, val_records, quick=quick)
+    return check_config(cfg, train_records, val_records, quick=quick, plan=run_plan(cfg))
 
 
 def check_config(
@@ -56,14 +57,20 @@ def check_config(
     val_records: Sequence[PromptRecord],
     *,
     quick: bool,
+    plan: RunPlan | None = None,
 ) -> CheckReport:
-    """The checks of a config that passed the run's preflight (`diffrl.controller.preflight.preflight`)."""
+    """The checks of a config that passed the run's preflight (`diffrl.controller.preflight.preflight`),
+    under its run plan (`plan`; resolved here when not given)."""
+    if plan is None:
+        from diffrl.controller.preflight import run_plan
+
+        plan = run_plan(cfg)
     start = time.perf_counter()
     records = list(val_records or train_records)[:PIPELINE_PROMPTS] or list(train_records)[:1]
     group = list(train_records)[:1]  # one prompt group of rollout.n samples for the log-probs
     rows: list[CheckRow] = []
     separate = cfg.trainer.placement == "separate"
-    rows += _in_process(cfg, records, group, quick=quick, log_probs=not (separate and not quick))
+    rows += _in_process(cfg, records, group, plan, quick=quick, log_probs=not (separate and not quick))
     if not separate:
         rows.append(
             skipped(
@@ -78,7 +85,7 @@ def check_config(
             )
         )
     else:
-        rows += _separate_pools(cfg, group)
+        rows += _separate_pools(cfg, group, plan)
     return CheckReport(rows, time.perf_counter() - start)
 
 
@@ -87,7 +94,13 @@ def _trains_on_log_probs(cfg: Config) -> bool:
 
 
 def _in_process(
-    cfg: Config, records: list[PromptRecord], group: list[PromptRecord], *, quick: bool, log_probs: bool
+    cfg: Config,
+    records: list[PromptRecord],
+    group: list[PromptRecord],
+    plan: RunPlan,
+    *,
+    quick: bool,
+    log_probs: bool,
 ) -> list[CheckRow]:
     """The checks that run on one worker of the colocated kind in this process: the same
     HybridWorker class a colocated run starts (engine with its LoRA adapters, sampler on its
@@ -113,7 +126,7 @@ def _in_process(
             rows.append(skipped("memory", "--quick leaves out the micro-batches at the preset's sizes"))
         else:
             rows += memory_rows(
-                cfg, worker, [r.prompt for r in group or records], images=_images(group or records)
+                cfg, worker, [r.prompt for r in group or records], images=_images(group or records), plan=plan
             )
         return rows
     finally:
@@ -154,12 +167,12 @@ def _log_prob_rows(cfg: Config, group: list[PromptRecord], *, sample, recompute)
     return log_probs_vs_trainer(cfg, rollout.samples.log_probs_BW, recomputed, steps)
 
 
-def _separate_pools(cfg: Config, group: list[PromptRecord]) -> list[CheckRow]:
+def _separate_pools(cfg: Config, group: list[PromptRecord], plan: RunPlan) -> list[CheckRow]:
     """The separate placement's own pools (`placement_session`): weight sync, and the log-probs a
     replica sampled against the trainer's recomputation."""
     from diffrl.controller.run import placement_session
 
-    with placement_session(cfg) as (placement, _rewards):
+    with placement_session(cfg, plan) as (placement, _rewards):
         rows, sampled, recomputed = weight_sync_rows(cfg, placement, group)
     if _trains_on_log_probs(cfg):
         steps = _window_steps(cfg)
@@ -183,7 +196,11 @@ def _window_steps(cfg: Config) -> list[int]:
 
 
 def check_at_start(
-    cfg: Config, train_records: Sequence[PromptRecord], val_records: Sequence[PromptRecord]
+    cfg: Config,
+    train_records: Sequence[PromptRecord],
+    val_records: Sequence[PromptRecord],
+    *,
+    plan: RunPlan | None = None,
 ) -> str:
     """`diffrl train`'s quick check (trainer.check_at_start): the line the run prints after its
     run-directory line when every check passes; otherwise the table, and a ValueError (exit 2,
@@ -200,7 +217,7 @@ def check_at_start(
             f"uses {cfg.world_size} worker(s) with trainer.placement={cfg.trainer.placement}; run "
             "`diffrl check` with this run's arguments before a long run"
         )
-    report = check_config(cfg, train_records, val_records, quick=True)
+    report = check_config(cfg, train_records, val_records, quick=True, plan=plan)
     if report.failed:
         print(report.table(), end="", flush=True)
         names = ", ".join(r.check for r in report.failed)

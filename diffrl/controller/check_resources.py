@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from diffrl.config.plan import RunPlan, resolve_plan
 from diffrl.config.schema import Config
 from diffrl.controller.check_report import CheckRow, fmt, row, skipped
 from diffrl.rewards.multi import MultiReward, reward_specs
@@ -156,12 +157,19 @@ def measure_phase(
 
 
 def memory_rows(
-    cfg: Config, worker: Any, prompts: Sequence[str], images: Sequence[Any] | None = None
+    cfg: Config,
+    worker: Any,
+    prompts: Sequence[str],
+    images: Sequence[Any] | None = None,
+    *,
+    plan: RunPlan | None = None,
 ) -> list[CheckRow]:
     """Peak memory of one micro-batch of each phase, at the preset's sizes, on `worker` (a
     HybridWorker: the sampler and the engine of a colocated run); `images`: the prompts'
-    condition images (image-edit families)."""
-    if cfg.world_size > 1 and cfg.actor.strategy == "fsdp2":
+    condition images (image-edit families); `plan`: the run's (its strategy; resolved without the
+    machine's facts when not given)."""
+    strategy = (plan or resolve_plan(cfg)).strategy
+    if cfg.world_size > 1 and strategy == "fsdp2":
         return [
             skipped(
                 "memory",

@@ -35,6 +35,7 @@ import torch
 from diffrl.algos import PolicyGradientSpec, advantage_metrics, algorithm, get_advantage_estimator
 from diffrl.algos.nft import timestep_subset, timestep_subset_mask
 from diffrl.algos.rollout_correction import rollout_correction_from_config
+from diffrl.config.plan import RunPlan, resolve_plan
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.minibatches import local_owners, mini_batches
@@ -53,7 +54,15 @@ VALIDATION_PROMPTS_FROM_TRAIN = 32  # validation prompts taken from the train se
 class PolicyGradientTrainer(TrainingLoop):
     """Runs `cfg` with `workers` (HybridWorkers, one per GPU or CPU worker) and `rewards`."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, reuse_rollout_log_probs: bool, **loop_args: Any):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        *,
+        reuse_rollout_log_probs: bool,
+        plan: RunPlan | None = None,
+        **loop_args: Any,
+    ):
         super().__init__(cfg, run_dir, **loop_args)
         self.reuse_rollout_log_probs = reuse_rollout_log_probs
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -67,8 +76,8 @@ class PolicyGradientTrainer(TrainingLoop):
         colocated = isinstance(self.placement, Colocated)
         self.owners = local_owners(cfg, cfg.data.prompts_per_step, self.workers.size) if colocated else 1
         self.keep_rollouts = self.owners > 1
-        # separate placement: the passes without gradient the replicas run (docs/async.md)
-        self.rollout_passes = cfg.rollout_passes
+        # separate placement: the passes without gradient the replicas run (the run plan's; docs/async.md)
+        self.rollout_passes = (plan or resolve_plan(cfg)).rollout_passes
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:

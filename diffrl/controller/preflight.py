@@ -3,8 +3,9 @@
 Order matters for users: a config typo, a missing model directory, an empty prompt file, an
 unknown reward or an unwritable output place is reported before Ray or any model starts, and
 nothing is written for a run that cannot start. `preflight_common` serves every job (train, sft,
-eval); `preflight` adds the RL loops' checks. Choosing `actor.strategy=auto` happens here too:
-it needs the model directory and, for the merge check, comes before any worker exists.
+eval); `preflight` adds the RL loops' checks. `run_plan` gathers the machine's facts (devices,
+memory, the model's size) and resolves the run plan (diffrl.config.plan) before any worker exists;
+the config itself is never changed.
 """
 
 from __future__ import annotations
@@ -15,14 +16,7 @@ from typing import Any
 
 import torch
 
-from diffrl.algos import (
-    DIRECT_PREFERENCE,
-    PAIRS,
-    DirectPreferenceSpec,
-    algorithm,
-    algorithms,
-    uses_old_adapter,
-)
+from diffrl.config.plan import Machine, RunPlan, resolve_plan
 from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.policy_gradient import VALIDATION_PROMPTS_FROM_TRAIN
 from diffrl.controller.sizes import check_sizes
@@ -65,7 +59,6 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
     index = read_model_index(cfg.model.path)
     check_model_files(cfg.model.path, index)
     check_image_size(cfg)
-    choose_parallelism(cfg)
     if needs_rewards(cfg):
         probe_scorers(reward_specs(cfg.reward.functions))
     if not cfg.data.train_files:
@@ -125,30 +118,31 @@ def condition_rows(records: Sequence[PromptRecord]) -> list[ConditionRow]:
     return [(r.source, [(i.name, i.width, i.height) for i in r.images]) for r in records]
 
 
-def choose_parallelism(cfg: Config) -> None:
-    """Resolve `actor.strategy=auto` in `cfg` (diffrl.train.parallel) from the world size, LoRA or
-    full fine-tuning, and the pipeline's weights against one device's memory; with several
-    workers the choice and its reason are the run's first line."""
-    from diffrl.train.parallel import choose_strategy, device_memory_bytes, pipeline_weight_bytes
+def machine_facts(cfg: Config) -> Machine:
+    """What the run plan is resolved against (diffrl.config.plan.Machine): this (driver) process's
+    accelerator and one device's memory, the pipeline's weight bytes in model.dtype (read from the
+    safetensors headers; only where the choice of actor.strategy needs them: `auto`, several
+    workers, LoRA) and the model family's GPU training attention backend."""
+    from diffrl.train.parallel import device_memory_bytes, pipeline_weight_bytes
 
-    actor, lora = cfg.actor, cfg.model.lora.rank > 0
     weight_bytes = device_bytes = None
-    if actor.strategy == "auto" and cfg.world_size > 1 and lora:
+    if cfg.actor.strategy == "auto" and cfg.world_size > 1 and cfg.model.lora.rank > 0:
         dtype = getattr(torch, cfg.model.dtype)
         weight_bytes = pipeline_weight_bytes(resolve_model_path(cfg.model.path), dtype)
         device_bytes = device_memory_bytes(cfg.trainer.n_gpus_per_node)
-    choice = choose_strategy(
-        actor.strategy,
-        world_size=cfg.world_size,
-        lora=lora,
-        sequence_parallel=actor.sequence_parallel_size > 1,
-        param_offload=actor.param_offload,
-        weight_bytes=weight_bytes,
+    family = adapter_class(read_model_index(cfg.model.path)["_class_name"])
+    return Machine(
+        accelerator="cuda" if torch.cuda.is_available() else "cpu",
         device_bytes=device_bytes,
+        weight_bytes=weight_bytes,
+        gpu_attn_backend=family.gpu_training_attn_backend,
     )
-    if cfg.world_size > 1:
-        print(choice.line(), flush=True)
-    actor.strategy = choice.strategy
+
+
+def run_plan(cfg: Config, job: str = "train") -> RunPlan:
+    """The run plan of `cfg` on this machine (`resolve_plan` with `machine_facts`): every `auto`
+    resolved once; `cfg` is not changed. A ConfigError for a setting the plan makes useless."""
+    return resolve_plan(cfg, machine_facts(cfg), job=job)
 
 
 def check_model_files(path: str, index: dict) -> None:
@@ -233,11 +227,7 @@ def probe_scorers(specs: Sequence[Any]) -> None:
 def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """Every check of an RL job that needs no model and no Ray; returns the train and validation prompts."""
     check_output_dir(cfg.trainer.output_dir, "trainer.output_dir")
-    _check_trainer_type(cfg)
-    if cfg.algorithm.trainer_type == DIRECT_PREFERENCE:
-        _check_direct_preference(cfg)
     train, val = preflight_common(cfg)
-    _check_merge_inference(cfg)  # after preflight_common has chosen actor.strategy
     check_sizes(cfg, len(val))
     if cfg.algorithm.sample_source == "offline":
         from diffrl.data.preference import check_pairs
@@ -245,82 +235,3 @@ def preflight(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord]]:
         pipe = cfg.rollout.pipeline
         check_pairs(train, cfg.data.chosen_key, cfg.data.rejected_key, pipe.height, pipe.width)
     return train, val
-
-
-def _check_merge_inference(cfg: Config) -> None:
-    """model.lora.merge_inference: where merged weights are safe and possible."""
-    if not cfg.model.lora.merge_inference:
-        return
-    if cfg.model.lora.rank <= 0:
-        raise ConfigError(
-            "model.lora.merge_inference=true needs LoRA adapters to merge, but model.lora.rank=0 (full "
-            "fine-tuning samples with the trained weights as they are): set model.lora.merge_inference=false"
-        )
-    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE and cfg.reuses_rollout_log_probs:
-        raise ConfigError(
-            "model.lora.merge_inference=true with algorithm.old_log_probs=rollout: merged weights give "
-            "velocities that differ from the trained adapter's in the last bits, so the rollout's SDE "
-            "log-probabilities are not the trainer's, and PPO's ratio would start off 1 (a clip range "
-            "of 1e-4 sees that). Set algorithm.old_log_probs=auto (it recomputes them with the adapter, "
-            "as the update runs it), or model.lora.merge_inference=false"
-        )
-    if cfg.algorithm.trainer_type != DIRECT_PREFERENCE and cfg.trainer.placement == "separate":
-        raise ConfigError(
-            "model.lora.merge_inference=true with a policy-gradient loss and trainer.placement=separate: "
-            "the replicas' passes without gradient (rollout.log_prob_passes) must run the adapter as the "
-            "trainer's update does, which merged weights do not. Set model.lora.merge_inference=false, "
-            "or trainer.placement=colocated"
-        )
-    if cfg.actor.strategy == "fsdp2" and cfg.world_size > 1:
-        raise ConfigError(
-            f"model.lora.merge_inference=true needs unsharded weights, but actor.strategy=fsdp2 shards them "
-            f"over {cfg.world_size} workers: set actor.strategy=ddp (replicated weights) or "
-            "model.lora.merge_inference=false"
-        )
-
-
-def _check_trainer_type(cfg: Config) -> None:
-    """The loss and the loop must fit each other, in both directions: a policy-gradient loss needs
-    SDE transitions and log-probs, a direct-preference loss clean samples at fresh noise levels."""
-    mode, trainer_type = cfg.actor.loss.mode, cfg.algorithm.trainer_type
-    needs = algorithm(mode).loop
-    if needs != trainer_type:
-        raise ConfigError(
-            f"actor.loss.mode={mode} needs algorithm.trainer_type={needs}, but it is {trainer_type}: set "
-            f"algorithm.trainer_type={needs}, or choose a {trainer_type} loss"
-        )
-
-
-def _check_direct_preference(cfg: Config) -> None:
-    """Settings of the direct-preference loop that would otherwise be silently ignored or fail late."""
-    algo, mode = cfg.algorithm, cfg.actor.loss.mode
-    if algo.sample_source == "offline":
-        spec = algorithm(mode)
-        if not (isinstance(spec, DirectPreferenceSpec) and spec.trains_on == PAIRS):
-            on_pairs = "/".join(s.name for s in algorithms(DIRECT_PREFERENCE) if s.trains_on == PAIRS)
-            raise ConfigError(
-                f"algorithm.sample_source=offline reads preference pairs, which only actor.loss.mode={on_pairs} "
-                f"trains on (got {mode}): set actor.loss.mode={on_pairs}, or algorithm.sample_source=online"
-            )
-        if cfg.rollout.n != 2:
-            raise ConfigError(
-                f"rollout.n={cfg.rollout.n}: with algorithm.sample_source=offline each row is a group of "
-                "two images (chosen, rejected), so set rollout.n=2 (actor.mini_batch_size counts images)"
-            )
-    rc, defaults = algo.rollout_correction, Config().algorithm
-    if rc != defaults.rollout_correction:
-        raise ConfigError(
-            "algorithm.rollout_correction has no effect with algorithm.trainer_type=direct_preference "
-            "(no SDE log-probs are compared): leave it at its defaults"
-        )
-    if algo.old_policy != defaults.old_policy and not uses_old_adapter(cfg.actor.loss):
-        raise ConfigError(
-            f"algorithm.old_policy has no effect with actor.loss.mode={mode} (no `old` adapter): leave it "
-            "at its defaults, or use an algorithm with an `old` adapter (docs/algorithms.md), e.g. "
-            "diffusion_nft, or awm with actor.loss.awm_ema_kl_coef > 0"
-        )
-    if uses_old_adapter(cfg.actor.loss) and cfg.model.lora.rank <= 0:
-        raise ConfigError(
-            f"actor.loss.mode={mode} needs an `old` adapter, which exists only with LoRA: set "
-            "model.lora.rank > 0"
-        )

@@ -1,8 +1,11 @@
-"""`diffrl train`: check everything cheap first, then start workers and run the loop.
+"""`diffrl train`: check everything cheap first, resolve the run plan, then start workers and run the loop.
 
 Order matters for users: a config typo, a missing model directory, an empty prompt file or an
 unknown reward is reported before Ray or any model starts, and nothing is written for a run that
-cannot start.
+cannot start. The run plan (diffrl.config.plan: the parallel strategy, where each pass runs, the
+staleness K, attention, compile, offload) is resolved once, before any worker starts
+(`preflight.run_plan`), printed as a block after the run's first line, handed to every worker and
+loop, and kept as RUN/plan.json once the run has started (`run_loop`); the config is not changed.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from diffrl.algos.spec import worker_options
 from diffrl.config import load_config, to_yaml
 from diffrl.config.history import CONFIG_FILE, record_config
 from diffrl.config.loader import resolve_source
+from diffrl.config.plan import PLAN_FILE, RunPlan
 from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
-from diffrl.controller.placement import Colocated, Placement, Separate, sync_backend
+from diffrl.controller.placement import Colocated, Placement, Separate
 from diffrl.controller.policy_gradient import PolicyGradientTrainer
-from diffrl.controller.preflight import preflight
+from diffrl.controller.preflight import preflight, run_plan
 from diffrl.files import (
     naming,
     write_json,
@@ -83,11 +87,6 @@ def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
                     f"but the config has model.lora.{field}={value}: set model.lora.{field}={saved} to resume "
                     "it, or start a new run (another trainer.run_name, or trainer.resume=off)"
                 )
-
-
-def reuse_rollout_log_probs(cfg: Config) -> bool:
-    """Whether PPO's old log-probs can be the rollout's own (`Config.reuses_rollout_log_probs`)."""
-    return cfg.reuses_rollout_log_probs
 
 
 @contextmanager
@@ -165,9 +164,10 @@ def _start_together(
 
 
 @contextmanager
-def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
-    """Start the workers (Ray when several, or in-process) and the reward workers; stop them all on
-    exit, also when starting one of them failed."""
+def worker_session(cfg: Config, plan: RunPlan | None = None) -> Iterator[tuple[WorkerGroup, Any]]:
+    """Start the workers (Ray when several, or in-process) and the reward workers, each handed
+    `plan` (resolved here for an eval job when not given); stop them all on exit, also when
+    starting one of them failed."""
     from diffrl.telemetry.console import progress
     from diffrl.workers.group import InProcessGroup
     from diffrl.workers.ray_group import RayGroup
@@ -176,7 +176,7 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
 
     world = cfg.world_size
     use_ray = world > 1 or cfg.trainer.ray_address is not None
-    roles = worker_options(cfg)
+    roles = {**worker_options(cfg), "plan": plan or run_plan(cfg, "eval")}
     with ExitStack() as stack:
         with progress(f"starting {world} worker(s) and loading {cfg.model.path}"):
             threads = stack.enter_context(_job_processes(cfg, world, use_ray))
@@ -211,11 +211,13 @@ def worker_session(cfg: Config) -> Iterator[tuple[WorkerGroup, Any]]:
 
 
 @contextmanager
-def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
-    """`worker_session` for an RL run: the colocated pool, or (trainer.placement=separate) a
-    trainer pool and a rollout pool on Ray, their weight-sync group joined; stops them all on exit."""
-    if cfg.trainer.placement == "colocated":
-        with worker_session(cfg) as (workers, rewards):
+def placement_session(cfg: Config, plan: RunPlan | None = None) -> Iterator[tuple[Placement, Any]]:
+    """`worker_session` for an RL run (`plan`: its run plan, resolved here when not given): the
+    colocated pool, or (trainer.placement=separate) a trainer pool and a rollout pool on Ray,
+    their weight-sync group joined; stops them all on exit."""
+    plan = plan or run_plan(cfg)
+    if plan.placement == "colocated":
+        with worker_session(cfg, plan) as (workers, rewards):
             yield Colocated(cfg, workers), rewards
         return
     from diffrl.telemetry.console import progress
@@ -251,7 +253,14 @@ def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
 
             trainer, rollout, rewards = _start_together(
                 stack,
-                pool(ActorWorker, world, cfg.trainer.gpus_per_worker, cfg.trainer.ray_resources, **roles),
+                pool(
+                    ActorWorker,
+                    world,
+                    cfg.trainer.gpus_per_worker,
+                    cfg.trainer.ray_resources,
+                    **roles,
+                    plan=plan,
+                ),
                 pool(
                     RolloutWorker,
                     replicas,
@@ -261,7 +270,7 @@ def placement_session(cfg: Config) -> Iterator[tuple[Placement, Any]]:
                 ),
                 lambda: _start_rewards(cfg, True, threads),
             )
-            placement = Separate(cfg, trainer, rollout, backend=sync_backend(cfg, has_gpu))
+            placement = Separate(cfg, trainer, rollout, backend=plan.weight_sync_backend)
             stack.callback(placement.shutdown)
         yield placement, rewards
 
@@ -471,37 +480,44 @@ class Job:
     workers: Any  # a WorkerGroup, or the Placement of an RL job
     rewards: Any
     logger: Any
+    plan: RunPlan
 
 
 @contextmanager
-def job(cfg: Config, source: str | None, *, rl: bool = False) -> Iterator[Job]:
-    """Own the run directory (`run_folder`), start the workers (`rl`: the configured placement)
-    and the loggers; stop them on exit."""
+def job(cfg: Config, source: str | None, *, rl: bool = False, plan: RunPlan | None = None) -> Iterator[Job]:
+    """Own the run directory (`run_folder`), print the run plan (`plan`, resolved here when not
+    given: `rl` a training job, else a supervised one), start the workers (`rl`: the configured
+    placement) and the loggers; stop them on exit."""
     from diffrl.telemetry import RunLogger
 
+    plan = plan or run_plan(cfg, "train" if rl else "sft")
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    session = placement_session(cfg) if rl else worker_session(cfg)
-    with (
-        run_folder(cfg, source) as folder,
-        session as (workers, rewards),
-        RunLogger(
-            folder.path,
-            cfg.trainer.loggers,
-            total_steps=cfg.trainer.total_steps,
-            config=config_dict,
-            run_name=folder.name,
-        ) as logger,
-    ):
+    with ExitStack() as stack:
+        folder = stack.enter_context(run_folder(cfg, source))
+        print("\n".join(plan.lines()), flush=True)  # after the run's first line, before workers start
+        session = placement_session(cfg, plan) if rl else worker_session(cfg, plan)
+        workers, rewards = stack.enter_context(session)
+        logger = stack.enter_context(
+            RunLogger(
+                folder.path,
+                cfg.trainer.loggers,
+                total_steps=cfg.trainer.total_steps,
+                config=config_dict,
+                run_name=folder.name,
+            )
+        )
         folder.recorded = lambda: logger.last_step is not None  # a failure keeps a run that logged a step
-        yield Job(folder.path, folder.checkpoint, workers, rewards, logger)
+        yield Job(folder.path, folder.checkpoint, workers, rewards, logger, plan)
 
 
-def run_loop(loop: TrainingLoop, checkpoint: Path | None) -> dict[str, Any]:
-    """Resume `loop` from `checkpoint` (if any), record the config (the run has started), run it,
-    and return its summary."""
+def run_loop(loop: TrainingLoop, checkpoint: Path | None, plan: RunPlan | None = None) -> dict[str, Any]:
+    """Resume `loop` from `checkpoint` (if any), record the config and the plan (the run has
+    started: RUN/config.yaml, RUN/plan.json), run it, and return its summary."""
     if checkpoint is not None:
         loop.resume(checkpoint)
     record_config(loop.run_dir, to_yaml(loop.cfg), loop.step)  # config.yaml, and configs/ keeps each start's
+    if plan is not None:
+        write_json(loop.run_dir / PLAN_FILE, plan.to_dict())
     from diffrl.telemetry.console import begin_console_log
 
     begin_console_log()  # what was printed so far, and from now on everything, to RUN/console.log
@@ -517,12 +533,13 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
     if (finished := skip_if_finished(cfg.trainer)) is not None:
         return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
+    plan = run_plan(cfg)
     checked = None
     if cfg.trainer.check_at_start:
         from diffrl.controller.check import check_at_start
 
-        checked = check_at_start(cfg, train_records, val_records)
-    with job(cfg, source, rl=True) as j:
+        checked = check_at_start(cfg, train_records, val_records, plan=plan)
+    with job(cfg, source, rl=True, plan=plan) as j:
         if checked is not None:  # after the run's first line, which says where to look
             print(checked, flush=True)
         loop_args = dict(
@@ -538,9 +555,9 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             trainer: TrainingLoop = DirectPreferenceTrainer(cfg, j.run_dir, **loop_args)
         else:
             trainer = PolicyGradientTrainer(
-                cfg, j.run_dir, reuse_rollout_log_probs=reuse_rollout_log_probs(cfg), **loop_args
+                cfg, j.run_dir, reuse_rollout_log_probs=plan.reuses_rollout_log_probs, plan=plan, **loop_args
             )
-        write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint))
+        write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint, plan))
         export_final_weights(j.workers.trainer, j.run_dir, cfg)
         if cfg.trainer.keep_best and (best := best_checkpoint(j.run_dir / "checkpoints")) is not None:
             export_final_weights(j.workers.trainer, j.run_dir, cfg, checkpoint=best)  # RUN/export_best

@@ -292,7 +292,7 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
             val_records=val_records,
             logger=j.logger,
         )
-        summary = run_loop(trainer, j.checkpoint)
+        summary = run_loop(trainer, j.checkpoint, j.plan)
         grammar = "shapes" if cfg.sft.images == SHAPES else None  # trained on the shapes world's prompts
 
         def write_info(staging: Path) -> None:

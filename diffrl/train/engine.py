@@ -48,13 +48,14 @@ import torch
 
 from diffrl.algos import KLLoss, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
+from diffrl.config.plan import choose_strategy
 from diffrl.config.schema import ActorConfig, ModelConfig
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.sde import StepOut
 from diffrl.train import offload
 from diffrl.train.batch import PolicyGradientBatch
 from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
-from diffrl.train.parallel import average_gradients, choose_strategy
+from diffrl.train.parallel import average_gradients
 from diffrl.train.replay import StepPart, loss_inputs, replay_plan, weighted_mean
 from diffrl.transition import Rollout, evaluate_step, evaluate_steps, evaluate_window
 
@@ -128,7 +129,11 @@ class TrainEngine:
         with_old: bool = False,
         with_reference: bool | None = None,
         seed: int = 0,
+        strategy: str | None = None,
     ):
+        """`strategy`: the run plan's (diffrl.config.plan.RunPlan.strategy: ddp, fsdp2 or none); an
+        engine built without one (a test, a benchmark, an export) takes actor.strategy, `auto`
+        resolved by the plan's rule for this process group's size."""
         self.adapter = adapter
         self.model_cfg = model_cfg
         self.cfg = actor_cfg
@@ -160,15 +165,15 @@ class TrainEngine:
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         in_group = torch.distributed.is_initialized()
-        # actor.strategy=auto is resolved by the run (with the model's size and the device's
-        # memory); an engine built directly decides from the world size and the training mode
-        self.strategy = choose_strategy(
-            actor_cfg.strategy,
-            world_size=torch.distributed.get_world_size() if in_group else 1,
-            lora=self.lora,
-            sequence_parallel=actor_cfg.sequence_parallel_size > 1,
-            param_offload=actor_cfg.param_offload,
-        ).strategy
+        if strategy is None:
+            strategy = choose_strategy(
+                actor_cfg.strategy,
+                world_size=torch.distributed.get_world_size() if in_group else 1,
+                lora=self.lora,
+                sequence_parallel=actor_cfg.sequence_parallel_size > 1,
+                param_offload=actor_cfg.param_offload,
+            ).strategy
+        self.strategy = strategy
         # ddp: every rank holds the whole model and averages the gradients before each optimizer step
         self._replicated = self.strategy == "ddp" and in_group
         # FSDP2 units stay gathered through a pass when the whole gathered model is small next to

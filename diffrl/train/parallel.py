@@ -12,9 +12,10 @@ The cheapest parallelism that fits wins:
            fine-tuning, or the model itself, does not fit one device.
     none   one worker: nothing to share.
 
-`actor.strategy=auto` (the default) chooses with `choose_strategy` from the world size, LoRA or full
-fine-tuning, and the pipeline's weight bytes against one device's memory; the run prints the choice
-and the reason in its first lines, and any other value of `actor.strategy` is taken as given.
+`actor.strategy=auto` (the default) is resolved once, in the run plan (diffrl.config.plan,
+`choose_strategy`), from the world size, LoRA or full fine-tuning, and the pipeline's weight bytes
+against one device's memory; the run prints the choice and the reason in its plan block, and any
+other value of `actor.strategy` is taken as given.
 
 Why ddp is one all-reduce here rather than torch's `DistributedDataParallel` wrapper: an optimizer
 step accumulates tens of backward passes (micro-batches × trained steps), and DDP would sync only in
@@ -29,85 +30,19 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from diffrl.config.schema import ActorConfig
+# The choice is the run plan's (one rule for the run and for an engine built alone); re-exported here.
+from diffrl.config.plan import REPLICATE_MAX_WEIGHT_SHARE, STRATEGIES, StrategyChoice, choose_strategy
 from diffrl.files import read_json_file
 from diffrl.models.base import MODEL_DIR_FIX
-
-STRATEGIES = ActorConfig.STRATEGIES
-
-#: Replicate a LoRA run when the whole pipeline's weights take at most this share of one device's
-#: memory: the rest holds the activations of sampling and training micro-batches. In bf16 on an
-#: 80 GB card this replicates SD3.5 (about 16 GB with its text encoders) and FLUX.1 (34 GB with
-#: T5-XXL), and shards Qwen-Image (57 GB) and Wan2.1-14B (39 GB with umT5-XXL).
-REPLICATE_MAX_WEIGHT_SHARE = 0.45
 
 #: Gradients are averaged in flat buckets of at most this many elements (1 GiB of fp32 gradients):
 #: one collective per bucket instead of one per tensor, and a bounded extra buffer for full models.
 BUCKET_ELEMENTS = 1 << 28
-
-
-@dataclass(frozen=True)
-class StrategyChoice:
-    strategy: str  # ddp, fsdp2 or none
-    reason: str
-
-    def line(self) -> str:
-        return f"parallelism: actor.strategy={self.strategy} ({self.reason})"
-
-
-def choose_strategy(
-    requested: str,
-    *,
-    world_size: int,
-    lora: bool,
-    sequence_parallel: bool = False,
-    param_offload: bool = False,
-    weight_bytes: int | None = None,
-    device_bytes: int | None = None,
-) -> StrategyChoice:
-    """Resolve `actor.strategy` (module docstring). `weight_bytes`: the pipeline's parameters in
-    the model's dtype; `device_bytes`: one device's memory; None where unknown. `param_offload`
-    (actor.param_offload) is FSDP2's CPU offload, so it makes several workers shard."""
-    if requested not in STRATEGIES:
-        raise ValueError(f"actor.strategy={requested!r} is not one of {', '.join(STRATEGIES)}")
-    if requested != "auto":
-        return StrategyChoice(requested, "set by actor.strategy")
-    if world_size == 1:
-        return StrategyChoice("none", "one worker: nothing to replicate or shard")
-    if not lora:
-        return StrategyChoice(
-            "fsdp2", "full fine-tuning: weights, gradients and AdamW state are sharded over the workers"
-        )
-    if sequence_parallel:
-        return StrategyChoice("fsdp2", "sequence parallelism shards the model with FSDP2")
-    if param_offload:
-        return StrategyChoice("fsdp2", "actor.param_offload: FSDP2 keeps its shards in host memory")
-    if weight_bytes is not None and device_bytes is not None:
-        share = weight_bytes / device_bytes
-        sizes = f"{_size(weight_bytes)} of weights on a {_size(device_bytes)} device"
-        if share > REPLICATE_MAX_WEIGHT_SHARE:
-            return StrategyChoice(
-                "fsdp2",
-                f"LoRA, but {sizes} ({share:.0%} > {REPLICATE_MAX_WEIGHT_SHARE:.0%}): the frozen base is sharded",
-            )
-        return StrategyChoice(
-            "ddp",
-            f"LoRA on a model that fits one device ({sizes}): each worker holds the frozen base, only "
-            "the adapters' gradients are averaged",
-        )
-    return StrategyChoice(
-        "ddp", "LoRA: each worker holds the frozen base, only the adapters' gradients are averaged"
-    )
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def pipeline_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
@@ -183,6 +118,7 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 __all__ = [
+    "REPLICATE_MAX_WEIGHT_SHARE",
     "STRATEGIES",
     "StrategyChoice",
     "average_gradients",

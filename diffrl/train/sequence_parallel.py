@@ -268,8 +268,9 @@ class UlyssesSequenceParallel:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
 
-def for_training(adapter, cfg) -> UlyssesSequenceParallel | None:
-    """The training engine's SP (None for `actor.sequence_parallel_size` 1), set up on every rank.
+def for_training(adapter, cfg, strategy: str | None = None) -> UlyssesSequenceParallel | None:
+    """The training engine's SP (None for `actor.sequence_parallel_size` 1), set up on every rank;
+    `strategy`: the engine's (the run plan's), actor.strategy when not given.
 
     Call after the `TrainEngine` is built (LoRA injected, transformer sharded). Sets FSDP2's
     reduction to sum over each SP group; the caller attaches it (`active()`) around the training
@@ -291,7 +292,7 @@ def for_training(adapter, cfg) -> UlyssesSequenceParallel | None:
             f"actor.sequence_parallel_size={size} splits video tokens; {type(adapter).__name__} is an "
             "image model: set actor.sequence_parallel_size=1"
         )
-    if cfg.actor.strategy != "fsdp2" or not dist.is_initialized():
+    if (strategy or cfg.actor.strategy) != "fsdp2" or not dist.is_initialized():
         raise ValueError(
             f"actor.sequence_parallel_size={size} needs actor.strategy=fsdp2 over several workers "
             f"(trainer.n_gpus_per_node × trainer.nnodes a multiple of {size})"

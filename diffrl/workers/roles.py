@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from diffrl.config.plan import RunPlan
 from diffrl.config.schema import Config
 from diffrl.models.base import ModelAdapter
 from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
@@ -78,7 +79,10 @@ class ActorWorker(ProfiledWorker):
         *,
         with_old: bool = False,
         with_reference: bool | None = None,
+        plan: RunPlan | None = None,
     ):
+        """`plan`: the run's plan (diffrl.config.plan), whose decisions the engine takes; None for
+        a worker built alone (the engine then resolves actor.strategy for its process group)."""
         join_process_group()
         self.cfg = cfg
         adapter = adapter or build_adapter(cfg)
@@ -91,13 +95,14 @@ class ActorWorker(ProfiledWorker):
             with_old=with_old,
             with_reference=with_reference,
             seed=cfg.trainer.seed,
+            strategy=None if plan is None else plan.strategy,
         )
         if cfg.model.compile:  # after LoRA injection and sharding, so the compiled blocks include them
             adapter.compile_blocks()
         from diffrl.train.sequence_parallel import for_training
 
         # Ulysses SP (None at size 1): attached only while training, so the module samples without it
-        self._sequence_parallel = for_training(adapter, cfg)
+        self._sequence_parallel = for_training(adapter, cfg, self.engine.strategy)
         self._text_len = 0
         self._cond_tokens = 0
         self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
@@ -454,8 +459,9 @@ class HybridWorker(ActorWorker):
         *,
         with_old: bool = False,
         with_reference: bool | None = None,
+        plan: RunPlan | None = None,
     ):
-        super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference)
+        super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference, plan=plan)
         self.rollout = RolloutWorker(cfg, self.engine.adapter, use_policy=self.engine.inference_policy)
 
     @profiled_call

@@ -4,6 +4,7 @@ import textwrap
 import pytest
 
 from diffrl.config import Config, ConfigError, load_config, preset_names, to_yaml
+from diffrl.config.plan import resolve_plan
 from diffrl.config.schema import RewardFnConfig
 
 
@@ -444,8 +445,8 @@ def test_bounded_staleness_keeps_the_old_log_probs_on_the_trainer_and_the_refere
     separate = ["trainer.placement=separate", "actor.loss.kl_coef=0.01"]
     one_step_off = load_config("tiny_sd3", [*separate, "trainer.async_mode=one_step_off"])
     bounded = load_config("tiny_sd3", [*separate, "trainer.async_mode=bounded", "trainer.max_staleness=3"])
-    assert one_step_off.rollout_passes == ("default", "reference")
-    assert bounded.rollout_passes == ("reference",)
+    assert resolve_plan(one_step_off).rollout_passes == ("default", "reference")
+    assert resolve_plan(bounded).rollout_passes == ("reference",)
     assert bounded.trainer.max_staleness == 3
     # the sampler's log-probs stay the behaviour policy's: the trainer recomputes the old ones
     assert not bounded.reuses_rollout_log_probs

@@ -22,7 +22,7 @@ import diffrl.controller.run as run
 
 
 @contextmanager
-def in_process_pools(cfg: Any) -> Iterator[tuple[Any, Any]]:
+def in_process_pools(cfg: Any, plan: Any = None) -> Iterator[tuple[Any, Any]]:
     from diffrl.controller.placement import Separate
     from diffrl.workers.group import InProcessGroup
     from diffrl.workers.reward_workers import create_reward_workers

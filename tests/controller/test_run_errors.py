@@ -74,7 +74,7 @@ def test_bad_values_exit_2_before_any_model_loads(tmp_path, capsys, monkeypatch,
     assert message in err, err
 
 
-def _no_workers(cfg):
+def _no_workers(cfg, plan=None):
     raise AssertionError("the workers started: the error was found too late")
 
 
@@ -175,7 +175,7 @@ def test_a_run_folder_in_use_is_refused_naming_the_pid(tmp_path, capsys, finishe
 
 
 def test_a_failed_start_after_creating_the_folder_removes_it(tmp_path, capsys, monkeypatch):
-    def broken_workers(cfg):
+    def broken_workers(cfg, plan=None):
         raise ValueError("workers could not start: fix X")
 
     monkeypatch.setattr(run_module, "worker_session", broken_workers)

@@ -66,10 +66,11 @@ def trained(tmp_path_factory, env):
 def test_train_names_its_run_directory_first_and_prints_no_third_party_noise(trained):
     run_dir, _, result = trained
     assert result.returncode == 0, result.stderr[-3000:]
-    first, second = result.stdout.splitlines()[:2]
-    # with several workers the run first says how they share the model, then where to look
-    assert first == "parallelism: actor.strategy=fsdp2 (set by actor.strategy)"
-    assert second == f"run directory: {run_dir}"
+    first, second, third = result.stdout.splitlines()[:3]
+    # the run first says where to look, then its plan: how the workers share the model, ...
+    assert first == f"run directory: {run_dir}"
+    assert second.startswith("plan: colocated: 2 workers sample and train")
+    assert third == "  parallelism: actor.strategy=fsdp2 (set by actor.strategy)"
     # the start-up check runs one worker's model in the driver: a 2-worker run leaves it to `diffrl check`
     assert "setup check skipped at start" in result.stdout
     assert noise_in(result) == [], (result.stdout, result.stderr)
