@@ -16,6 +16,10 @@ class RewardFnConfig:
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the reward function
     # videos: score this many evenly spaced frames (first and last among them), averaged; null = all
     video_frames: int | None = None
+    # > 0: this reward gets reward workers of its own, each with that many GPUs (a VLM judge on GPUs
+    # the policy does not use); 0: the shared reward workers (reward.workers, gpus_per_worker) score it
+    gpus: float = 0.0
+    workers: int = 1  # this reward's own workers (with gpus > 0)
 
 
 @dataclass
