@@ -76,13 +76,37 @@ def _raised_at(error: BaseException) -> str:
 @dataclass(frozen=True)
 class RewardSpec:
     """One entry of `reward.functions`: the reward's name (key), weight, policy, args and, for
-    videos, how many evenly spaced frames it scores (None = all)."""
+    videos, how many evenly spaced frames it scores (None = all). `gpus` > 0: the reward has reward
+    workers of its own (`workers` of them, each with that many GPUs; diffrl.workers.reward_workers),
+    apart from the shared ones that score the other rewards."""
 
     name: str
     weight: float = 1.0
     required: bool = True
     args: Mapping[str, Any] = field(default_factory=dict)
     video_frames: int | None = None
+    gpus: float = 0.0
+    workers: int = 1
+
+
+#: The keys of one `reward.functions` entry.
+SPEC_KEYS = ("weight", "required", "args", "video_frames", "gpus", "workers")
+
+
+def _check_own_workers(spec: RewardSpec) -> None:
+    at = f"reward.functions.{spec.name}"
+    if isinstance(spec.gpus, bool) or not isinstance(spec.gpus, int | float) or not 0 <= spec.gpus < math.inf:
+        raise ValueError(
+            f"{at}.gpus={spec.gpus!r} is invalid: GPUs for each of this reward's own workers, a number >= 0 "
+            "(0: scored by the shared reward workers, reward.gpus_per_worker)"
+        )
+    if isinstance(spec.workers, bool) or not isinstance(spec.workers, int) or spec.workers < 1:
+        raise ValueError(f"{at}.workers={spec.workers!r} is invalid: must be an integer >= 1")
+    if spec.workers > 1 and spec.gpus == 0:
+        raise ValueError(
+            f"{at}.workers={spec.workers} applies to a reward with workers of its own: set {at}.gpus > 0 "
+            "too, or use reward.workers for the shared reward workers"
+        )
 
 
 def reward_specs(functions: Mapping[str, Any]) -> list[RewardSpec]:
@@ -98,11 +122,10 @@ def reward_specs(functions: Mapping[str, Any]) -> list[RewardSpec]:
         if isinstance(entry, RewardSpec):
             spec = entry
         elif isinstance(entry, Mapping):
-            unknown = set(entry) - {"weight", "required", "args", "video_frames"}
+            unknown = set(entry) - set(SPEC_KEYS)
             if unknown:
                 raise ValueError(
-                    f"reward.functions.{name} has unknown key(s) {sorted(unknown)}: use weight, required, "
-                    "args, video_frames"
+                    f"reward.functions.{name} has unknown key(s) {sorted(unknown)}: use {', '.join(SPEC_KEYS)}"
                 )
             spec = RewardSpec(
                 str(name),
@@ -110,12 +133,21 @@ def reward_specs(functions: Mapping[str, Any]) -> list[RewardSpec]:
                 bool(entry.get("required", True)),
                 dict(entry.get("args") or {}),
                 entry.get("video_frames"),
+                entry.get("gpus", 0.0),
+                entry.get("workers", 1),
             )
         else:
             spec = RewardSpec(
-                str(name), float(entry.weight), bool(entry.required), dict(entry.args), entry.video_frames
+                str(name),
+                float(entry.weight),
+                bool(entry.required),
+                dict(entry.args),
+                entry.video_frames,
+                getattr(entry, "gpus", 0.0),
+                getattr(entry, "workers", 1),
             )
         check_video_frames(spec.video_frames, f"reward.functions.{name}.video_frames")
+        _check_own_workers(spec)
         if not math.isfinite(spec.weight):
             raise ValueError(
                 f"reward.functions.{name}.weight={spec.weight!r} is invalid: must be a finite number"
@@ -187,6 +219,40 @@ class RewardBatch:
             failed={n: torch.cat([b.failed[n] for b in batches]) for n in names},
             failed_batches={n: sum(b.failed_batches[n] for b in batches) for n in names},
             seconds={n: sum(b.seconds[n] for b in batches) for n in names},
+        )
+
+    @staticmethod
+    def merge(parts: Sequence[RewardBatch], specs: Sequence[RewardSpec]) -> RewardBatch:
+        """One micro-batch scored by several reward workers, each for some of `specs`' rewards
+        (diffrl.workers.reward_workers: a reward with GPUs of its own): every reward's fields as
+        its part has them, in `specs` order, and the total recomputed as `MultiReward` computes it
+        (Σ weight × score in `specs` order, a failed reward adding nothing), so bitwise the total
+        of one `MultiReward` scoring them all."""
+        by_name = {name: part for part in parts for name in part.scores}
+        missing = [spec.name for spec in specs if spec.name not in by_name]
+        if missing or len(by_name) != len(specs):
+            raise ValueError(
+                f"RewardBatch.merge: the parts score {sorted(by_name)}, the specs name "
+                f"{[spec.name for spec in specs]}"
+            )
+        total_B = torch.zeros(len(parts[0]), dtype=torch.float32)
+        for spec in specs:
+            part = by_name[spec.name]
+            if not bool(part.failed[spec.name].any()):
+                total_B += spec.weight * part.scores[spec.name]
+        names = [spec.name for spec in specs]
+        return RewardBatch(
+            total_B=total_B,
+            scores={n: by_name[n].scores[n] for n in names},
+            extras={
+                key: value
+                for n in names
+                for key, value in by_name[n].extras.items()
+                if key.partition("/")[0] == n
+            },
+            failed={n: by_name[n].failed[n] for n in names},
+            failed_batches={n: by_name[n].failed_batches[n] for n in names},
+            seconds={n: by_name[n].seconds[n] for n in names},
         )
 
     def metrics(self, uids: Sequence[Hashable] | np.ndarray | torch.Tensor) -> dict[str, float]:

@@ -290,6 +290,78 @@ class RayRewardWorkers:
         self.close()
 
 
+# ------------------------------------------------------------------------ rewards with own GPUs
+class _MergedHandle:
+    """A micro-batch scored by several pools; `result` merges their parts (`RewardBatch.merge`)."""
+
+    def __init__(self, handles: list[RewardHandle], specs: list[RewardSpec]) -> None:
+        self.handles, self.specs = handles, specs
+
+    def result(self, timeout: float | None = None) -> RewardBatch:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        parts = [
+            handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for handle in self.handles
+        ]
+        return RewardBatch.merge(parts, self.specs)
+
+    def done(self) -> bool:
+        return all(handle.done() for handle in self.handles)
+
+
+class PooledRewardWorkers:
+    """Reward workers in several pools: each reward with GPUs of its own (`reward.functions.<name>.gpus`
+    > 0) in a pool of its own, the other rewards in the shared one. Every micro-batch goes to every
+    pool at once, so the pools score in parallel; its handle returns the merged `RewardBatch`, the
+    total as one `MultiReward` of all the rewards would compute it."""
+
+    def __init__(self, specs: Sequence[RewardSpec], pools: Sequence[RewardWorkers]) -> None:
+        self.specs, self.pools = list(specs), list(pools)
+
+    def submit(
+        self,
+        pixels: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+        sources: Sequence[Sequence[Any]] | None = None,
+    ) -> RewardHandle:
+        return _MergedHandle(
+            [pool.submit(pixels, prompts, metadata, sources) for pool in self.pools], self.specs
+        )
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
+
+    def __enter__(self) -> PooledRewardWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reward_pools(cfg: RewardConfig) -> list[tuple[list[RewardSpec], int, float, float]]:
+    """The Ray pools `reward.*` asks for, each (its rewards, workers, CPUs and GPUs per worker):
+    the shared pool (`reward.workers`, `cpus_per_worker`, `gpus_per_worker`) of the rewards without
+    GPUs of their own, if any, then one pool per reward with `gpus` > 0 (its `workers`, each with
+    `reward.cpus_per_worker` CPUs and its `gpus`). Checks every entry, loading no model."""
+    specs = reward_specs(cfg.functions)
+    shared = [spec for spec in specs if spec.gpus == 0]
+    pools = [(shared, cfg.workers, cfg.cpus_per_worker, cfg.gpus_per_worker)] if shared else []
+    pools += [([spec], spec.workers, cfg.cpus_per_worker, spec.gpus) for spec in specs if spec.gpus > 0]
+    return pools
+
+
+def reward_resources(cfg: RewardConfig) -> tuple[float, float]:
+    """(CPUs, GPUs) that the Ray reward workers of `reward.*` take in all (`reward_pools`)."""
+    pools = reward_pools(cfg)
+    return (
+        sum(workers * cpus for _, workers, cpus, _ in pools),
+        sum(workers * gpus for _, workers, _, gpus in pools),
+    )
+
+
 def create_reward_workers(
     cfg: RewardConfig, *, use_ray: bool, env_vars: Mapping[str, str] | None = None
 ) -> RewardWorkers:
@@ -297,10 +369,24 @@ def create_reward_workers(
 
     `reward.overlap` applies to the in-process workers (background thread or not); Ray workers
     always score in their own processes, and the trainer decides when it collects. `env_vars` is
-    set in each Ray actor's environment (the in-process workers share the caller's).
+    set in each Ray actor's environment (the in-process workers share the caller's). With Ray, a
+    reward with `gpus` > 0 gets a pool of its own (`PooledRewardWorkers`); Ray gives its actors
+    GPUs that no other actor or placement group holds, so not the policy's. In process, every
+    reward scores in this process, on its device.
     """
-    if use_ray:
-        return RayRewardWorkers(
-            cfg.functions, cfg.workers, cfg.cpus_per_worker, cfg.gpus_per_worker, env_vars=env_vars
-        )
-    return InProcessRewardWorkers(cfg.functions, overlap=cfg.overlap)
+    if not use_ray:
+        return InProcessRewardWorkers(cfg.functions, overlap=cfg.overlap)
+    pools = reward_pools(cfg)
+    if len(pools) == 1:  # one pool scores every reward: nothing to merge
+        specs, workers, cpus, gpus = pools[0]
+        return RayRewardWorkers(specs, workers, cpus, gpus, env_vars=env_vars)
+    started: list[RewardWorkers] = []
+    try:
+        for specs, workers, cpus, gpus in pools:
+            started.append(RayRewardWorkers(specs, workers, cpus, gpus, env_vars=env_vars))
+    except BaseException:
+        for pool in started:
+            pool.close()
+        raise
+    # the config's order: the merged total adds the rewards in it, as one MultiReward would
+    return PooledRewardWorkers(reward_specs(cfg.functions), started)
