@@ -91,7 +91,9 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch, shared_ray)
             [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=ddp", "trainer.n_gpus_per_node=2"],
         )
     )
-    assert yaml_value(tmp_path / "ddp" / "config.yaml", "actor", "strategy") == "ddp"
+    # the run plan resolves auto; the config keeps what the user asked for
+    assert json.loads((tmp_path / "ddp" / "plan.json").read_text())["strategy"] == "ddp"
+    assert yaml_value(tmp_path / "ddp" / "config.yaml", "actor", "strategy") == "auto"
     for key in [k for k in single[1] if k.startswith(("rewards/", "advantages/")) and "seconds" not in k]:
         assert replicated[1][key] == pytest.approx(single[1][key], rel=1e-6), key
     for key in ("actor/loss", "actor/grad_norm"):
