@@ -11,6 +11,7 @@ import pytest
 
 from diffrl.cli import main
 from diffrl.controller import run as run_module
+from diffrl.controller import run_folder
 
 FAST = [
     "trainer.total_steps=1",
@@ -163,7 +164,7 @@ def test_a_run_folder_in_use_is_refused_naming_the_pid(tmp_path, capsys, finishe
     run_dir = tmp_path / "done"
     shutil.copytree(finished_run, run_dir)
     before = snapshot(run_dir)
-    holder = run_module._lock(run_dir)  # another run owns the folder (flock: per open file)
+    holder = run_folder._lock(run_dir)  # another run owns the folder (flock: per open file)
     try:
         monkeypatch.setattr(run_module, "worker_session", _no_workers)
         assert train(tmp_path, *FAST, "trainer.total_steps=2", name="done") == 2
@@ -187,7 +188,7 @@ def test_a_start_whose_folder_is_removed_under_its_lock_starts_over(tmp_path, mo
     made the folder and failed) removes it. B must not run in a vanished folder: it notices the
     file it locked is gone, makes the folder again, and locks the new file."""
     run_dir = tmp_path / "r"
-    real_lock = run_module._lock
+    real_lock = run_folder._lock
     calls = []
 
     def lock_then_lose_the_folder(path):
@@ -197,11 +198,11 @@ def test_a_start_whose_folder_is_removed_under_its_lock_starts_over(tmp_path, mo
             shutil.rmtree(path)  # A's cleanup, between B's lock and B's check
         return fd
 
-    monkeypatch.setattr(run_module, "_lock", lock_then_lose_the_folder)
-    fd, created = run_module._create_and_lock(run_dir)
+    monkeypatch.setattr(run_folder, "_lock", lock_then_lose_the_folder)
+    fd, created = run_folder._create_and_lock(run_dir)
     try:
         assert len(calls) == 2 and created  # the second round made the folder again
-        held, current = os.fstat(fd), os.stat(run_dir / run_module.LOCK_FILE)
+        held, current = os.fstat(fd), os.stat(run_dir / run_folder.LOCK_FILE)
         assert (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
         with pytest.raises(ValueError, match="in use by another run"):
             real_lock(run_dir)  # and that file is the one locked
@@ -274,10 +275,10 @@ def test_a_resume_past_total_steps_is_refused_naming_the_checkpoint_that_fits(tm
     early, late = _kept_checkpoints(tmp_path / "checkpoints", 3500, 4000)
     cfg = load_config("tiny_sd3", ["trainer.total_steps=3500"])
     with pytest.raises(ConfigError) as refused_resume:
-        run_module._check_not_past_total(cfg, late)
+        run_folder._check_not_past_total(cfg, late)
     message = str(refused_resume.value)
     assert "trainer.total_steps=3500 is below step 4000" in message and f"trainer.resume={early}" in message
-    run_module._check_not_past_total(cfg, early)  # the step itself resumes (and exports) as it should
+    run_folder._check_not_past_total(cfg, early)  # the step itself resumes (and exports) as it should
     lone = _kept_checkpoints(tmp_path / "other", 4000)[0]
     with pytest.raises(ConfigError, match="start a new run"):
-        run_module._check_not_past_total(cfg, lone)
+        run_folder._check_not_past_total(cfg, lone)
