@@ -25,15 +25,13 @@ diffrl.controller.stopping: exit status 130 or 143, with the command that resume
 A checkpoint stores the step and the data sampler's position (`data_position()`), so a resumed
 run continues exactly where the interrupted one would have been.
 
-Sampling goes through the run's `Placement` (diffrl.controller.placement): `rollout_for_step`
-draws the step's prompts and returns their rollout. In `trainer.async_mode=one_step_off` it also
-starts sampling the next step's prompts before returning, so the replicas generate batch k+1 while
-the trainer updates on batch k; the weights they sample with are those the trainer started step k
-from (version k-1, one behind the update that follows). A step that ends with a checkpoint starts
-no next batch (the pipeline drains), so a checkpoint holds no in-flight work: a resumed run samples
-that batch exactly as the uninterrupted run did, with the checkpoint's weights. In
-`trainer.async_mode=bounded` a `BoundedPipeline` (diffrl.controller.bounded) keeps up to
-`trainer.max_staleness` batches in flight on the same terms.
+Sampling goes through the run's `Placement` (diffrl.controller.placement) and one
+`RolloutPipeline` (diffrl.controller.pipeline) with the staleness bound K of trainer.async_mode
+(sync 0, one_step_off 1, bounded trainer.max_staleness): `rollout_for_step` returns the step's
+prompts and their rollout, with up to K batches sampling ahead while the trainer updates. A step
+that ends with a checkpoint has none in flight after it (the pipeline drains), so a checkpoint
+holds no in-flight work and a resumed run samples the next batch exactly as the uninterrupted
+run did, with the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from diffrl.config.schema import Config
-from diffrl.controller.bounded import BoundedPipeline
+from diffrl.controller.pipeline import RolloutPipeline, staleness_of
 from diffrl.controller.placement import Colocated, PendingRollout, Placement, StagedRollout
 from diffrl.controller.pool_sizing import SizingAdvisor, pool_metrics
 from diffrl.controller.stopping import stop_message, stop_requested, stops_at_safe_points
@@ -108,19 +106,16 @@ class TrainingLoop:
         self.last_validation_step: int | None = None
         self.timer = PhaseTimer()
         self.nonfinite_steps = 0  # consecutive steps whose update was skipped as non-finite
-        # one_step_off: the next step's prompts and their rollout, sampling while this step trains
-        self.next_batch: tuple[list[PromptRecord], PendingRollout] | None = None
-        self.one_step_off = cfg.trainer.async_mode == "one_step_off"
-        # bounded: up to trainer.max_staleness batches sampling ahead of the trainer
-        self.pipeline = (
-            BoundedPipeline(
-                self.placement,
-                cfg.trainer.max_staleness,
-                draw=lambda: [record for _, record in self.sampler.next_batch()],
-                horizon=self._next_checkpoint,
-            )
-            if cfg.trainer.async_mode == "bounded"
-            else None
+        # the batches sampling ahead of the trainer, at most K versions behind (module docstring)
+        trainer = cfg.trainer
+        self.pipeline = RolloutPipeline(
+            self.placement,
+            staleness_of(trainer.async_mode, trainer.max_staleness),
+            draw=lambda: [record for _, record in self.sampler.next_batch()],
+            horizon=self._next_checkpoint,
+            # the metrics each mode logged before the modes shared this pipeline
+            log_in_flight=trainer.async_mode == "bounded",
+            sync_every_step=trainer.async_mode == "one_step_off",
         )
         self.resume_sync_metrics: dict[str, float] = {}
         # the passes without gradient the replicas run (policy gradient sets cfg.rollout_passes)
@@ -139,7 +134,6 @@ class TrainingLoop:
         # this start's record for summary.json (`run_stats`)
         self.wall_s, self.steps_this_start, self.peaks = 0.0, 0, {}
         # the run-health watchdog (trainer.health) and, with trainer.keep_best, the best validation
-        trainer = cfg.trainer
         self.health = Watchdog(
             trainer.health,
             staleness_bound=staleness_bound(trainer.async_mode, trainer.max_staleness, trainer.health),
@@ -171,43 +165,17 @@ class TrainingLoop:
         self, policy: str = POLICY
     ) -> tuple[list[PromptRecord], StagedRollout, dict[str, float]]:
         """This step's prompts, their rollout (reward handles in its summary's extras) and the
-        sampling metrics (weight versions, staleness, weight-sync cost); see the module docstring
-        for one_step_off."""
+        sampling metrics (weight versions, staleness, weight-sync cost), from the pipeline
+        (diffrl.controller.pipeline: what is sampled ahead, with which weights)."""
         metrics, self.resume_sync_metrics = self.resume_sync_metrics, {}
-        if self.pipeline is not None:
-            # sampled up to max_staleness versions behind: the reference pass (fixed weights) runs
-            # with the sample, the old log-probs on the trainer (Config.rollout_passes)
-            ahead = tuple(name for name in self.rollout_passes if name != POLICY)
-            records, rollout, more, self.wait_s = self.pipeline.take(
-                self.step,
-                lambda upcoming, step, version: self._sample(upcoming, step, policy, ahead, version=version),
-            )
-            metrics.update(more)
-            return records, rollout, {**metrics, **self._version_metrics(rollout)}
-        if self.next_batch is None:
-            records = [record for _, record in self.sampler.next_batch()]
-            metrics.update(self.placement.sync_weights(self.step - 1))
-            # sampled with the weights this step starts from: every pass can run with the sample
-            pending = self._sample(records, self.step, policy, self.rollout_passes)
-        else:
-            (records, pending), self.next_batch = self.next_batch, None
-        waited = time.perf_counter()
-        rollout = pending.result()
-        self.wait_s = time.perf_counter() - waited
-        # The replicas are idle now: give them the weights this step starts from before they
-        # sample the next batch (a no-op, returning nothing, when the sync above already did).
-        metrics.update(self.placement.sync_weights(self.step - 1))
-        # A batch sampled one version behind gets the passes that need this step's weights (the
-        # old log-probs) now, queued on the replicas before the next batch's requests.
-        later = [name for name in self.rollout_passes if not rollout.computed(name)]
-        if later:
-            self.placement.evaluate_later(rollout, later, self.step - 1)
-        if self.one_step_off and not self._ends_with_checkpoint(self.step):
-            upcoming = [record for _, record in self.sampler.next_batch()]
-            # sampled with this step's weights, trained from the next step's: the reference pass
-            # (fixed weights) runs with the sample, the old log-probs after the next sync
-            ahead = tuple(name for name in self.rollout_passes if name != POLICY)
-            self.next_batch = (upcoming, self._sample(upcoming, self.step + 1, policy, ahead))
+        records, rollout, more, self.wait_s = self.pipeline.take(
+            self.step,
+            lambda upcoming, step, version, passes: self._sample(
+                upcoming, step, policy, passes, version=version
+            ),
+            self.rollout_passes,
+        )
+        metrics.update(more)
         return records, rollout, {**metrics, **self._version_metrics(rollout)}
 
     def _version_metrics(self, rollout: StagedRollout) -> dict[str, float]:
@@ -258,10 +226,6 @@ class TrainingLoop:
             passes=passes,
             version=version,
         )
-
-    def _ends_with_checkpoint(self, step: int) -> bool:
-        save_freq = self.cfg.trainer.save_freq
-        return step == self.cfg.trainer.total_steps or bool(save_freq and step % save_freq == 0)
 
     def _next_checkpoint(self, step: int) -> int:
         """The first step >= `step` that ends with a checkpoint (`_ends_with_checkpoint`)."""
@@ -442,15 +406,10 @@ class TrainingLoop:
     def validate(self) -> dict[str, float]:
         """ODE samples of the validation prompts with the fixed validation seed: rewards and a grid.
 
-        The samplers validate the trainer's current weights: a batch still sampling (one_step_off,
-        bounded: every in-flight batch, and the weight deliveries queued between them) finishes
-        first, with the weights it started with, then the samplers receive this step's."""
-        if self.next_batch is not None:
-            self.next_batch[1].result()
-        if self.pipeline is not None:
-            self.pipeline.sync_for_validation(self.step)
-        else:
-            self.placement.sync_weights(self.step)
+        The samplers validate the trainer's current weights: every batch still sampling ahead (and
+        the weight deliveries queued between them) finishes first, with the weights it started
+        with, then the samplers receive this step's (`RolloutPipeline.sync_for_validation`)."""
+        self.pipeline.sync_for_validation(self.step)
         metrics = run_validation(
             self.cfg,
             self.placement.samplers,

@@ -13,11 +13,9 @@
                 trainer rank 0 and the replicas (diffrl.workers.weight_sync): all tensors the first
                 time, then the LoRA adapters only when training LoRA.
 
-Both hand the loop a `PendingRollout`: sampling runs while the controller does other work (the
-one-step-off loop trains meanwhile) and `result()` joins the pieces in prompt order, so what a
-step trains on does not depend on which replica sampled which request: a sample's noise is keyed
-by (seed, step, sample index) alone. The result is a `StagedRollout`: the controller keeps the
-summaries; the trajectories go to the trainer ranks as object references.
+Both hand the loop a `PendingRollout`, which becomes a `StagedRollout`
+(diffrl.controller.staged_rollout): the controller keeps the summaries, the trajectories go to the
+trainer ranks as object references.
 """
 
 from __future__ import annotations
@@ -28,111 +26,20 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
-
-import torch
 
 from diffrl.config.schema import Config
 from diffrl.controller.sharding import prompt_shard
+from diffrl.controller.staged_rollout import PendingRollout, StagedRollout
 from diffrl.data import PromptRecord
 from diffrl.train.engine import POLICY
-from diffrl.transition import Rollout, RolloutSummary, concat_rollouts, concat_summaries
+from diffrl.transition import RolloutSummary
 from diffrl.workers.errors import WorkerError, log_tail
 from diffrl.workers.futures import WorkerFuture, blame, failure_of, gather, wait_any, wait_done
 from diffrl.workers.group import WorkerGroup
 from diffrl.workers.roles import PromptShard
-from diffrl.workers.staging import fetched
 
 _POLL_S = 1.0  # how often the request stream checks whether the run is stopping
-
-
-@dataclass
-class StagedRollout:
-    """A step's rollout as the controller holds it: the summary (uids, sample indices, sampled
-    log-probs, reward handles and weight versions in its extras) and the pieces of the rollout
-    itself, in prompt order, for the trainer ranks (`ActorWorker.stage`). Under Ray the pieces are
-    object references: the latents and pixels go from the samplers to the trainer ranks without
-    passing through the controller."""
-
-    summary: RolloutSummary
-    parts: list[Any]
-    # per part, the passes without gradient the replicas ran on it (`RolloutWorker.evaluate`):
-    # {policy: (log-probs [b, W], its SDE means handed over)}; `Separate.evaluate_later` adds more
-    passes: list[dict[str, tuple[torch.Tensor, Any]]] = field(default_factory=list)
-    # seconds the rollout pool spent on this batch, summed over the replicas' calls
-    rollout_busy_s: float = 0.0
-    # passes still running on the replicas: (one future per part, the weight version they must use)
-    later: tuple[list[WorkerFuture], int] | None = None
-    timeout_s: float = 0.0
-
-    def computed(self, policy: str) -> bool:
-        """Whether every part comes with `policy`'s pass (sampled with it, or `later`)."""
-        return bool(self.passes) and all(policy in piece for piece in self.passes)
-
-    def pass_result(self, policy: str) -> tuple[torch.Tensor, list[Any]] | None:
-        """(log-probs of all rows, the SDE means' pieces in row order) of `policy` as the replicas
-        computed them, waiting (at most `timeout_s`) for passes still running; None when the
-        replicas did not compute it (the trainer ranks do then)."""
-        if self.later is not None:
-            (futures, version), self.later = self.later, None
-            for piece, answer in zip(self.passes, gather(futures, timeout=self.timeout_s), strict=True):
-                if answer["weight_version"] != version:  # the loop's order guarantees it
-                    raise RuntimeError(
-                        f"a replica computed passes with weight version {answer['weight_version']}, "
-                        f"not {version}: the weights the update starts from"
-                    )
-                piece.update(answer["passes"])
-                self.rollout_busy_s += answer["busy_s"]
-        if not self.computed(policy):
-            return None
-        return (
-            torch.cat([piece[policy][0] for piece in self.passes]),
-            [piece[policy][1] for piece in self.passes],
-        )
-
-    def fetch(self) -> Rollout:
-        """The whole rollout here, for a loop that builds its batches on the controller (the
-        direct-preference loops); the summary's extras are its extras."""
-        return replace(concat_rollouts(fetched(self.parts)), extras=self.summary.extras)
-
-
-class PendingRollout:
-    """A step's rollout being sampled; `result()` waits (at most `timeout_s`) and joins it."""
-
-    def __init__(self, wait: concurrent.futures.Future | list[WorkerFuture], timeout_s: float):
-        self._wait = wait
-        self._timeout_s = timeout_s
-        self._staged: StagedRollout | None = None
-
-    def result(self) -> StagedRollout:
-        if self._staged is None:
-            if isinstance(self._wait, concurrent.futures.Future):
-                try:
-                    pieces = self._wait.result(self._timeout_s)
-                except TimeoutError as err:
-                    raise TimeoutError(
-                        f"sampling did not finish within trainer.worker_timeout_s={self._timeout_s:g} s: {err}"
-                    ) from None
-            else:
-                pieces = gather(self._wait, timeout=self._timeout_s)
-            passes = [summary.extras.pop("passes", {}) for summary, _ in pieces]
-            busy = sum(summary.extras.pop("busy_s", 0.0) for summary, _ in pieces)
-            self._staged = StagedRollout(
-                concat_summaries([summary for summary, _ in pieces]),
-                [part for _, part in pieces],
-                passes=passes,
-                rollout_busy_s=busy,
-                timeout_s=self._timeout_s,
-            )
-        return self._staged
-
-    def done(self) -> bool:
-        if self._staged is not None:
-            return True
-        if isinstance(self._wait, concurrent.futures.Future):
-            return self._wait.done()
-        return all(future.done() for future in self._wait)
 
 
 class _ScoredFor:
@@ -202,8 +109,9 @@ class Placement(ABC):
         separate placement the replicas hand their parts over whatever `keep` says. `passes`
         (separate placement): the policies whose log-probs and means the replicas compute on each
         fresh part with the weights that sampled it (`StagedRollout.pass_result`). `version`
-        (separate placement, bounded staleness): the weight version the replicas must hold when
-        they sample it, which `publish_weights` calls queued before it provide."""
+        (separate placement): the weight version the replicas must hold when they sample it,
+        which the sync or the `publish_weights` queued before it provides
+        (diffrl.controller.pipeline)."""
 
     def evaluate_later(self, staged: StagedRollout, policies: Sequence[str], version: int) -> None:
         """Start `policies`' passes on `staged` with the weights the samplers hold now (`version`),
@@ -215,8 +123,8 @@ class Placement(ABC):
         """Make the samplers hold the trainer's current weights, as `version`; returns metrics."""
 
     def publish_weights(self, version: int) -> dict[str, float]:
-        """Bounded staleness: copy the trainer's current weights as `version` and queue their
-        delivery to the samplers after the sampling queued so far. Only a rollout pool has it."""
+        """Copy the trainer's current weights as `version` and queue their delivery to the samplers
+        after the sampling queued so far (batches in flight). Only a rollout pool has it."""
         raise NotImplementedError(f"{type(self).__name__} placement has no rollout pool to publish to")
 
     def drain(self) -> None:  # noqa: B027 (only Separate queues work of its own)
@@ -290,7 +198,7 @@ class Separate(Placement):
             max_workers=1, thread_name_prefix="diffrl-requests"
         )
         self._cancel = threading.Event()
-        # bounded staleness: weight deliveries queued on the pump between batches (`publish_weights`)
+        # weight deliveries queued on the pump between batches in flight (`publish_weights`)
         self._deliveries: list[concurrent.futures.Future] = []
         self._delivery_error: BaseException | None = None
         # One group: trainer rank 0 (the source, rank 0) and the replicas (ranks 1..R).
@@ -382,16 +290,20 @@ class Separate(Placement):
         return [r for r in results if r is not None]
 
     def evaluate_later(self, staged: StagedRollout, policies: Sequence[str], version: int) -> None:
-        """The one-step-off batch sampled one version behind gets its old log-probs right after the
-        sync that gave the replicas the weights the update starts from: part i goes to replica
-        i mod R (all hold the same weights), queued before the next batch's requests."""
-        futures = [
-            self.replicas.submit(i % self.replicas.size, "evaluate_parts", [part], tuple(policies))
-            for i, part in enumerate(staged.parts)
-        ]
+        """A batch sampled behind the weights its step starts from gets the passes that need them
+        (the old log-probs) with `version`, queued on the request pump after the delivery of that
+        version and before the next batch's requests: part i goes to replica i mod R (all hold
+        the same weights)."""
+
+        def submit() -> list[WorkerFuture]:
+            return [
+                self.replicas.submit(i % self.replicas.size, "evaluate_parts", [part], tuple(policies))
+                for i, part in enumerate(staged.parts)
+            ]
+
         if len(staged.passes) != len(staged.parts):
             staged.passes = [{} for _ in staged.parts]
-        staged.later = (futures, version)
+        staged.later = (self._pump.submit(submit), version)
 
     # ------------------------------------------------------------------------------ weights
     def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
@@ -419,9 +331,10 @@ class Separate(Placement):
         }
 
     def publish_weights(self, version: int) -> dict[str, float]:
-        """Bounded staleness: the trainer ranks copy what a sync moves (the LoRA adapters, or every
-        tensor of full fine-tuning; rank 0 keeps the copy in host memory) and a delivery of that copy
-        is queued on the request pump, behind the batches already queued: the replicas sample those
+        """With batches in flight (diffrl.controller.pipeline): the trainer ranks copy what a sync
+        moves (the LoRA adapters, or every tensor of full fine-tuning; rank 0 keeps the copy in host
+        memory) and a delivery of that copy is queued on the request pump, behind the batches
+        already queued: the replicas sample those
         with the weights they were scheduled for, then receive `version`, while the trainer goes on
         training. What a batch is sampled with therefore depends on the order of the queue, never on
         timing. Returns what the copy holds (bytes, tensors) and the seconds the trainer spent."""

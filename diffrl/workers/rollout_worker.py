@@ -204,7 +204,8 @@ class RolloutWorker(ProfiledWorker):
     def evaluate_parts(self, parts: Sequence[Any], policies: Sequence[str]) -> dict[str, Any]:
         """`evaluate` of the handed-over rollout `parts` (joined in order) with the weights held
         now: `passes`, the `weight_version` they used and the seconds it took (`busy_s`). The
-        one-step-off loop calls it right after a sync, for the batch sampled one version before."""
+        controller queues it right after the delivery of the weights a batch sampled behind them
+        trains from (`Separate.evaluate_later`, diffrl.controller.pipeline)."""
         start = time.perf_counter()
         rollout = concat_rollouts(fetched(parts))
         passes = self.evaluate(rollout, policies)

@@ -1,4 +1,5 @@
-"""Bounded staleness (trainer.async_mode=bounded, diffrl/controller/bounded.py).
+"""The rollout pipeline with staleness bound K (diffrl/controller/pipeline.py): sync is K = 0,
+one_step_off K = 1, trainer.async_mode=bounded any K.
 
 The expected weight versions come from the schedule written out here, v(j) = max(c, j − 1 − K)
 with c the last checkpoint step before j, not from the code under test. The runs use the separate
@@ -22,7 +23,7 @@ import torch
 from fault_zygote import serve_zygote
 from in_process_pools import in_process_pools
 
-from diffrl.controller.bounded import BoundedPipeline
+from diffrl.controller.pipeline import RolloutPipeline
 from diffrl.controller.policy_gradient import PolicyGradientTrainer
 from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics as diffrl_read_metrics
@@ -105,7 +106,7 @@ class FakeReplicas:
     def drain(self) -> None:
         self.run(len(self.queue))
 
-    def sample(self, records: list[int], step: int, version: int) -> FakePending:
+    def sample(self, records: list[int], step: int, version: int, passes: tuple) -> FakePending:
         self.advance()
         pending = FakePending(self, step, version, records)
         self.queue.append(("sample", pending))
@@ -139,7 +140,7 @@ def run_schedule(
     def start(at_step: int):
         replicas = FakeReplicas(rng)
         drawn = iter(range(at_step, total + 10))  # the data sampler's position: one batch per step
-        pipeline = BoundedPipeline(replicas, k, draw=lambda: [next(drawn)], horizon=horizon)  # type: ignore[arg-type]
+        pipeline = RolloutPipeline(replicas, k, draw=lambda: [next(drawn)], horizon=horizon)  # type: ignore[arg-type]
         return replicas, pipeline
 
     replicas, pipeline = start(1)
@@ -162,7 +163,7 @@ def run_schedule(
     return log
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
 @pytest.mark.parametrize(("save_freq", "test_freq"), [(0, 0), (4, 0), (3, 2), (5, 3)])
 def test_the_schedule_keeps_every_batch_within_k_versions_whatever_the_replicas_timing(
     k, save_freq, test_freq
