@@ -8,7 +8,8 @@ weight bytes, the model family's GPU training attention), into a frozen `RunPlan
                     full fine-tuning, the weights against one device's memory)
     passes          where sampling, the old log-probs and the reference pass run: the rollout's
                     own log-probs reused, or recomputed on the trainer ranks or on the replicas
-                    (separate placement, rollout.log_prob_passes: `rollout_passes`)
+                    (separate placement, rollout.log_prob_passes: `rollout_passes`); the rule
+                    for the old log-probs is `old_log_probs_source`
     staleness       K, the weight versions a trained batch may lag: 0 sync, 1 one_step_off,
                     trainer.max_staleness bounded
     attn_backend    model.attn_backend, `auto` resolved (the family's GPU training backend on a
@@ -41,6 +42,10 @@ PLAN_FILE = "plan.json"
 REPLICATE_MAX_WEIGHT_SHARE = 0.45
 
 STRATEGIES = ActorConfig.STRATEGIES
+
+# The reason's tail for FSDP2 on one worker.
+ONE_RANK = "one worker: FSDP2 on a one-rank group"
+OFFLOADED = ", its parameters in host memory between uses"
 
 # Where a pass runs (RunPlan.old_log_probs / .reference).
 ROLLOUT = "rollout"  # the old log-probs are the rollout's own, computed while sampling
@@ -83,12 +88,19 @@ def choose_strategy(
     """Resolve `actor.strategy` (the cheapest parallelism that fits; diffrl.train.parallel says
     what each does). `weight_bytes`: the pipeline's parameters in the model's dtype;
     `device_bytes`: one device's memory; None where unknown. `param_offload` (actor.param_offload)
-    is FSDP2's CPU offload, so it makes several workers shard."""
+    is FSDP2's CPU offload, so it makes any number of workers shard: one worker runs FSDP2 on a
+    one-rank group of its own (diffrl.train.parallel.join_one_rank_group)."""
     if requested not in STRATEGIES:
         raise ValueError(f"actor.strategy={requested!r} is not one of {', '.join(STRATEGIES)}")
     if requested != "auto":
+        if requested == "fsdp2" and world_size == 1:
+            return StrategyChoice(requested, f"set by actor.strategy; {ONE_RANK}{OFFLOADED * param_offload}")
         return StrategyChoice(requested, "set by actor.strategy")
     if world_size == 1:
+        if param_offload:
+            return StrategyChoice(
+                "fsdp2", f"actor.param_offload is FSDP2's CPU offload; {ONE_RANK}{OFFLOADED}"
+            )
         return StrategyChoice("none", "one worker: nothing to replicate or shard")
     if not lora:
         return StrategyChoice(
@@ -221,7 +233,7 @@ def replica_passes(cfg: Any, strategy: str) -> tuple[str, ...]:
     `auto` moves them when the replica computes bitwise what the trainer would: separate
     placement, policy-gradient training, requests that split into the trainer's micro-batches.
     The old log-probs move only when the trainer computes with the weights' own dtypes (one
-    rank, or ddp): FSDP2's mixed precision casts the fp32 LoRA weights to the compute dtype,
+    rank unsharded, or ddp): FSDP2's mixed precision (also on a one-rank group) casts the fp32 LoRA weights to the compute dtype,
     the replica does not; and, compiled, only with LoRA: the trainer recomputes them through
     its training graph, which a replica traces only with its trained adapter requiring grad
     (full fine-tuning would need every weight to). The reference pass (LoRA: the adapters
@@ -241,13 +253,39 @@ def replica_passes(cfg: Any, strategy: str) -> tuple[str, ...]:
     passes = []
     # compiled, the trainer recomputes through its training graph, which a replica runs too
     # only with LoRA (workers.rollout_worker.computes_as_trained)
-    exact = (cfg.world_size == 1 or strategy == "ddp") and (not cfg.model.compile or cfg.model.lora.rank > 0)
+    unsharded = (cfg.world_size == 1 and strategy != "fsdp2") or strategy == "ddp"
+    exact = unsharded and (not cfg.model.compile or cfg.model.lora.rank > 0)
     bounded = cfg.trainer.async_mode == "bounded"
     if not cfg.reuses_rollout_log_probs and not bounded and (choice == "rollout" or exact):
         passes.append("default")
     if cfg.actor.loss.kl_coef > 0 and cfg.model.lora.rank > 0:
         passes.append("reference")
     return tuple(passes)
+
+
+def old_log_probs_source(cfg: Any, job: str = "train", passes: tuple[str, ...] = ()) -> str:
+    """Where PPO's old log-probs come from: the one rule (RunPlan.old_log_probs).
+
+    - `none`: no PPO ratio (a job other than RL training, or a loss of the forward process:
+      NFT, AWM, DPO, which compute no old log-probs);
+    - `rollout`: the rollout's own, computed by the sampler while it samples, when they are what
+      the update's first forward computes bit for bit (`Config.reuses_rollout_log_probs`:
+      algorithm.old_log_probs=rollout, or `auto` on a colocated run whose sampler slices its
+      window steps as the trainer's micro-batches, no step subsets, no rollout correction, no
+      batched replay, no merged LoRA);
+    - `replicas`: recomputed by the rollout replicas right after sampling or after the sync of
+      the weights the update starts from (separate placement, `replica_passes`: `default` among
+      `passes`);
+    - `trainer`: recomputed on the trainer ranks, with the weights the update starts from.
+
+    Recomputed, both places run one function (diffrl.train.policies.window_log_probs) in the
+    trainer's micro-batches. The sampler computes its window steps at the trainer's micro-batch
+    only when the rollout's log-probs are reused (`rollout`)."""
+    if job != "train" or cfg.algorithm.trainer_type != POLICY_GRADIENT:
+        return NONE
+    if cfg.reuses_rollout_log_probs:
+        return ROLLOUT
+    return REPLICAS if "default" in passes else TRAINER
 
 
 def _reference(cfg: Any, job: str, on_replicas: bool) -> str:
@@ -278,12 +316,7 @@ def resolve_plan(cfg: Any, machine: Machine | None = None, *, job: str = "train"
     rl = job == "train"
     separate = rl and cfg.trainer.placement == "separate"
     passes = replica_passes(cfg, choice.strategy) if rl else ()
-    if not rl or cfg.algorithm.trainer_type != POLICY_GRADIENT:
-        old = NONE
-    elif cfg.reuses_rollout_log_probs:
-        old = ROLLOUT
-    else:
-        old = REPLICAS if "default" in passes else TRAINER
+    old = old_log_probs_source(cfg, job, passes)
     offload = tuple(
         name
         for name, on in (
@@ -338,11 +371,18 @@ def check_plan(cfg: Any, plan: RunPlan) -> None:
             "trainer's update does, which merged weights do not. Set model.lora.merge_inference=false, "
             "or trainer.placement=colocated"
         )
-    if plan.strategy == "fsdp2" and plan.world_size > 1:
+    if plan.strategy == "fsdp2":
+        over = f"over {plan.world_size} workers" if plan.world_size > 1 else "on a one-rank group"
+        fix = (
+            "actor.strategy=ddp (replicated weights)"
+            if plan.world_size > 1
+            else "actor.strategy=auto or none"
+        )
+        if cfg.actor.param_offload:
+            fix = "actor.param_offload=false with " + fix
         raise ConfigError(
             f"model.lora.merge_inference=true needs unsharded weights, but actor.strategy=fsdp2 shards them "
-            f"over {plan.world_size} workers: set actor.strategy=ddp (replicated weights) or "
-            "model.lora.merge_inference=false"
+            f"{over}: set {fix}, or model.lora.merge_inference=false"
         )
 
 
@@ -355,6 +395,7 @@ __all__ = [
     "StrategyChoice",
     "attention_backend",
     "choose_strategy",
+    "old_log_probs_source",
     "replica_passes",
     "request_size",
     "resolve_plan",

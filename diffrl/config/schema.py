@@ -314,34 +314,15 @@ class Config:
         )
 
     def _check_sharding_settings(self) -> None:
-        """FSDP2 settings that would do nothing: FSDP2 shards over the trainer's workers, and a
-        one-worker run (or a replicated one) forms no such group."""
-        actor, workers = self.actor, self.world_size
-        one_gpu_fix = (
-            "On one worker use actor.optimizer_offload=true (the AdamW state in host memory), "
-            "actor.activation_offload=true or model.gradient_checkpointing=true; or train on several "
-            "(trainer.n_gpus_per_node)"
-        )
-        require(
-            not (actor.param_offload and workers == 1),
-            "actor.param_offload",
-            actor.param_offload,
-            "does nothing on one worker: it is FSDP2's CPU offload, and FSDP2 shards over 2 or more "
-            f"workers (trainer.n_gpus_per_node × trainer.nnodes = 1). {one_gpu_fix}",
-        )
+        """FSDP2 settings that would do nothing: actor.param_offload is FSDP2's CPU offload, which a
+        replicated or unsharded strategy does not run (one worker shards on a one-rank group)."""
+        actor = self.actor
         require(
             not (actor.param_offload and actor.strategy in ("ddp", "none")),
             "actor.param_offload",
             actor.param_offload,
             f"does nothing with actor.strategy={actor.strategy}: it is FSDP2's CPU offload; set "
-            "actor.strategy=fsdp2 (or auto, which then shards)",
-        )
-        require(
-            not (actor.strategy == "fsdp2" and workers == 1),
-            "actor.strategy",
-            actor.strategy,
-            "does nothing on one worker (FSDP2 shards over 2 or more): use auto or none, or set "
-            "trainer.n_gpus_per_node to 2 or more",
+            "actor.strategy=fsdp2 (or auto, which then shards, also on one worker)",
         )
 
     @property

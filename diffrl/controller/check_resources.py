@@ -132,8 +132,8 @@ def measure_phase(
                 "fits",
                 False,
                 f"one micro-batch of {size} ran out of memory on {device}: set {key}={max(1, size // 2)} "
-                f"(or model.gradient_checkpointing=true for the update; with several workers also "
-                "actor.param_offload=true)"
+                "(or, for the update, model.gradient_checkpointing=true, actor.optimizer_offload=true or "
+                "actor.param_offload=true: FSDP2's CPU offload, on one worker too)"
                 f"{also}",
             ),
             None,

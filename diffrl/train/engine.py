@@ -17,20 +17,22 @@ forward of k·B rows and one backward (batched replay: diffrl.train.replay).
 The forward-process losses (NFT, AWM, DPO: diffrl.train.preference) and supervised flow matching
 (`flow_matching_backward`) build their own terms.
 
-Policies: LoRA "default" (trained), optional "old" (a frozen copy refreshed by copy or EMA, for
-DiffusionNFT-style methods), and the reference = all adapters disabled. With `model.lora.rank = 0`
-the whole transformer trains and the reference, when KL needs it, is a frozen copy.
+Policies (diffrl.train.policies): LoRA "default" (trained), optional "old" (a frozen copy refreshed
+by copy or EMA, for DiffusionNFT-style methods), and the reference = all adapters disabled. With
+`model.lora.rank = 0` the whole transformer trains and the reference, when KL needs it, is a frozen
+copy. `log_probs` is the one log-prob pass (`policies.window_log_probs`), which replicas run too.
 
 The same engine runs on one CPU, one GPU, or over a process group (one engine per rank, each on its
 own micro-batches): replicated (`actor.strategy=ddp`: gradients averaged across ranks right before
-each optimizer step) or sharded with FSDP2 (FSDP averages them); diffrl.train.parallel.
+each optimizer step) or sharded with FSDP2 (FSDP averages them), also on one worker (a one-rank
+group); diffrl.train.parallel.
 
 Memory (diffrl.train.offload; docs/performance.md, "Memory: offload options"): `to(device, model=, optimizer=, grad=)`
 moves the transformer, the AdamW state and the gradients between host and accelerator by hand;
 `actor.optimizer_offload` keeps the AdamW state in host memory except during `optimizer.step()`;
 `actor.activation_offload` keeps what autograd saves for backward in pinned host memory
 (`torch.autograd.graph.save_on_cpu`) during the training forwards; `actor.param_offload` is
-FSDP2's own CPU offload (diffrl.train.fsdp).
+FSDP2's own CPU offload (diffrl.train.fsdp), on any number of workers.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -50,70 +51,17 @@ from diffrl.algos import KLLoss, PolicyGradientSpec, algorithm
 from diffrl.algos.flow_matching import flow_matching_loss, interpolate
 from diffrl.config.plan import choose_strategy
 from diffrl.config.schema import ActorConfig, ModelConfig
-from diffrl.models.base import ModelAdapter, PromptEmbeds
+from diffrl.models.base import ModelAdapter
 from diffrl.sde import StepOut
-from diffrl.train import offload
+from diffrl.train import offload, parallel, policies
 from diffrl.train.batch import PolicyGradientBatch
-from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
+from diffrl.train.lora import inject_lora, merged_adapter
+from diffrl.train.optim import adamw, lr_lambda
 from diffrl.train.parallel import average_gradients
+from diffrl.train.policies import OLD, POLICY, REFERENCE, use_policy, window_log_probs
 from diffrl.train.replay import StepPart, loss_inputs, replay_plan, weighted_mean
-from diffrl.transition import Rollout, evaluate_step, evaluate_steps, evaluate_window
-
-POLICY = "default"
-# Model timesteps are 1000·σ in every flow-matching family diffrl supports (Schedule.timesteps).
-NUM_TRAIN_TIMESTEPS = 1000.0
-OLD = "old"
-REFERENCE = "reference"
-
-
-@dataclass
-class FlowMatchingBatch:
-    """One micro-batch of supervised flow matching: B clean samples with their noise and level.
-
-    latents / noise: fp32 [B, ...] in the adapter's latent layout; sigmas_B: (B,) noise levels in
-    (0, 1]; cond: one conditioning row per sample (the empty prompt for dropped-out prompts).
-    """
-
-    latents: torch.Tensor
-    noise: torch.Tensor
-    sigmas_B: torch.Tensor
-    cond: PromptEmbeds
-    height: int
-    width: int
-    num_frames: int = 1
-
-
-@dataclass(frozen=True)
-class GradientTerm:
-    """One backward pass of an optimizer step (see `TrainEngine.accumulate`).
-
-    forward:       computes (scalar loss, metrics) with grad; called once, in order
-    grad_scale:    the term's share of the step's mean loss: the gradient is Σ grad_scale · ∇loss
-    metric_weight: the weight of its loss and metrics in the returned ones; None leaves them out
-                   (padding that only keeps every worker making the same collective calls)
-    """
-
-    forward: Callable[[], tuple[torch.Tensor, dict[str, float]]]
-    grad_scale: float
-    metric_weight: float | None = 1.0
-
-
-def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int):
-    """Multiplier of the base LR after `step` optimizer steps: linear warmup, then the shape."""
-
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if scheduler == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if scheduler == "linear":
-            return 1.0 - progress
-        raise ValueError(f"actor.optim.scheduler={scheduler!r} is not constant, cosine or linear")
-
-    return factor
+from diffrl.train.terms import NUM_TRAIN_TIMESTEPS, FlowMatchingBatch, GradientTerm
+from diffrl.transition import Rollout, evaluate_step, evaluate_steps
 
 
 class TrainEngine:
@@ -164,8 +112,8 @@ class TrainEngine:
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        in_group = torch.distributed.is_initialized()
         if strategy is None:
+            in_group = torch.distributed.is_initialized()
             strategy = choose_strategy(
                 actor_cfg.strategy,
                 world_size=torch.distributed.get_world_size() if in_group else 1,
@@ -174,79 +122,27 @@ class TrainEngine:
                 param_offload=actor_cfg.param_offload,
             ).strategy
         self.strategy = strategy
-        # ddp: every rank holds the whole model and averages the gradients before each optimizer step
-        self._replicated = self.strategy == "ddp" and in_group
-        # FSDP2 units stay gathered through a pass when the whole gathered model is small next to
-        # the device (full fine-tuning or sequence parallelism of a model that fits, not sharding
-        # for memory): fewer all-gathers (_fsdp_flags, inference_policy, log_probs)
-        self._keep_gathered = False
-        if self.strategy == "fsdp2" and in_group:
-            from diffrl.train.fsdp import gathered_bytes, shard_transformer
-            from diffrl.train.parallel import KEEP_GATHERED_FRACTION, device_memory_bytes
-
-            memory = device_memory_bytes(torch.distributed.get_world_size())
-            self._keep_gathered = (
-                memory is not None
-                and not actor_cfg.param_offload
-                and gathered_bytes(transformer, adapter.dtype) <= KEEP_GATHERED_FRACTION * memory
-            )
-            shard_transformer(
-                transformer,
-                adapter.block_class_names,
-                param_dtype=adapter.dtype,
-                reshard_after_forward=not self._keep_gathered,
-                cpu_offload=actor_cfg.param_offload,
-            )
+        # ddp: every rank holds the whole model and averages the gradients before each optimizer
+        # step; fsdp2: sharded over the group, or a one-rank group of this process on one worker
+        shared = parallel.prepare(adapter, strategy, param_offload=actor_cfg.param_offload)
+        self._replicated, self._keep_gathered = shared.replicated, shared.keep_gathered
         # A sampler sharing this module computes its SDE window steps on slices of this size, as
         # the trainer re-evaluates them (TrajectorySampler._trained_slices).
         adapter.train_micro_batch_size = actor_cfg.micro_batch_size
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("no trainable parameters: check model.lora.target_modules")
-        optim = actor_cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(optim.scheduler, optim.warmup_steps, total_optim_steps)
-        )
+        self.optimizer, self.scheduler = adamw(self.params, actor_cfg.optim, total_optim_steps)
 
     @property
     def transformer(self) -> torch.nn.Module:
         return self.adapter.transformer
 
     # ------------------------------------------------------------------------------ policies
-    @contextmanager
-    def use_policy(self, name: str) -> Iterator[None]:
-        """Run the adapter's transformer as policy `name`: default, old, or reference."""
-        if name == POLICY:
-            yield
-            return
-        if name == OLD:
-            if not self.lora:
-                raise ValueError("no `old` policy: it exists only with LoRA and with_old=True")
-            with lora_policy(self.transformer, OLD, POLICY):
-                yield
-            return
-        if name == REFERENCE:
-            if self.lora:
-                with lora_policy(self.transformer, None, POLICY):
-                    yield
-                return
-            if self.reference is None:
-                raise ValueError("no reference model: full fine-tuning keeps one only when KL is on")
-            trained = self.adapter.pipe.transformer
-            self.adapter.pipe.transformer = self.reference
-            try:
-                yield
-            finally:
-                self.adapter.pipe.transformer = trained
-            return
-        raise ValueError(f"unknown policy {name!r}; choose {POLICY}, {OLD} or {REFERENCE}")
+    def use_policy(self, name: str) -> AbstractContextManager[None]:
+        """Run the adapter's transformer as policy `name`: default, old, or reference
+        (`diffrl.train.policies.use_policy`)."""
+        return use_policy(self.adapter, name, lora=self.lora, reference=self.reference)
 
     @contextmanager
     def inference_policy(self, name: str) -> Iterator[None]:
@@ -265,26 +161,17 @@ class TrainEngine:
 
         return resharded_after(self.transformer, enabled=self._keep_gathered)
 
-    def _adapter_pairs(self, src: str, dst: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        params = dict(self.transformer.named_parameters())
-        pairs = [(p, params[n.replace(f".{src}.", f".{dst}.")]) for n, p in params.items() if f".{src}." in n]
-        if not pairs:
-            raise ValueError(f"no LoRA adapter named {src!r} to copy from")
-        return pairs
-
-    @torch.no_grad()
     def copy_adapter(self, src: str = POLICY, dst: str = OLD) -> None:
         """dst ← src on every LoRA tensor."""
-        for s, d in self._adapter_pairs(src, dst):
-            d.copy_(s)
+        policies.copy_adapter(self.transformer, src, dst)
 
-    @torch.no_grad()
     def ema_adapter(self, decay: float, src: str = POLICY, dst: str = OLD) -> None:
         """dst ← decay·dst + (1 − decay)·src on every LoRA tensor (decay 0 = copy)."""
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"EMA decay {decay} must be in [0, 1]")
-        for s, d in self._adapter_pairs(src, dst):
-            d.mul_(decay).add_(s, alpha=1.0 - decay)
+        policies.ema_adapter(self.transformer, decay, src, dst)
+
+    def adapters_equal(self, a: str = POLICY, b: str = OLD) -> bool:
+        """Whether adapters `a` and `b` hold identical weights on every rank (`policies.adapters_equal`)."""
+        return self.lora and policies.adapters_equal(self.transformer, a, b, self.device)
 
     # ------------------------------------------------------------------------------ updates
     def accumulate(
@@ -449,18 +336,21 @@ class TrainEngine:
         rollout: Rollout,
         policy: str = POLICY,
         micro_batch_size: int | None = None,
-        as_trained: bool = False,
+        as_trained: bool | None = None,
     ):
         """(log_probs_BW, means [B, W, ...]) of the rollout's window steps under `policy`, detached:
-        no grad, or with `as_trained` the update's own forward (`transition.evaluate_window`)."""
-        with self._resharded_after(), self.use_policy(policy):
-            micro = micro_batch_size or self.cfg.micro_batch_size
-            return evaluate_window(
+        the one log-prob pass (`diffrl.train.policies.window_log_probs`, which replicas run too),
+        in micro-batches of actor.micro_batch_size unless given; `as_trained` None is its rule."""
+        with self._resharded_after():
+            return window_log_probs(
                 self.adapter,
                 rollout,
-                micro,
-                as_trained=as_trained,
+                policy,
+                lora=self.lora,
+                micro_batch_size=micro_batch_size or self.cfg.micro_batch_size,
                 steps_per_forward=self.cfg.replay_steps_per_forward,
+                as_trained=as_trained,
+                reference=self.reference,
             )
 
     # ------------------------------------------------------------------------------ state
@@ -496,24 +386,6 @@ class TrainEngine:
         self.optim_steps = int(extra.pop("optim_steps", 0))
         self.skipped_steps = int(extra.pop("skipped_steps", 0))
         return extra
-
-    def adapters_equal(self, a: str = POLICY, b: str = OLD) -> bool:
-        """Whether adapters `a` and `b` hold identical weights on every rank (False without LoRA or
-        without both): all ranks must agree, since it decides how many forward passes each runs.
-        The `old` adapter equals the trained one after a copy or an EMA at decay 0 (until the next
-        optimizer step); the old policy's velocity is then the trained one's, detached."""
-        if not self.lora or not any(f".{b}." in n for n, _ in self.transformer.named_parameters()):
-            return False
-        local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731  (an FSDP2 rank's own shard)
-        # one flag on the device and one host sync, not one per tensor: this runs every optimizer step
-        differs = torch.stack(
-            [torch.ne(local(x), local(y)).any() for x, y in self._adapter_pairs(a, b)]
-        ).any()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            flag = differs.to(device=self.device, dtype=torch.int32)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            differs = flag
-        return not bool(differs.item())
 
     def export_lora(self, out_dir: str | Path, adapter_name: str = POLICY) -> Path:
         from diffrl.train.export import export_lora
@@ -608,3 +480,16 @@ class TrainEngine:
 
             return all_reduce_mean(metrics)
         return metrics
+
+
+# The policies' names and the gradient terms are imported from here by the loops and algorithms.
+__all__ = [
+    "NUM_TRAIN_TIMESTEPS",
+    "OLD",
+    "POLICY",
+    "REFERENCE",
+    "FlowMatchingBatch",
+    "GradientTerm",
+    "TrainEngine",
+    "lr_lambda",
+]

@@ -134,15 +134,15 @@ def shard_transformer(
       False keeps them until backward. The root follows FSDP2's default (kept gathered: backward
       needs it first).
     - `cpu_offload`: FSDP2's `CPUOffloadPolicy` keeps sharded parameters, gradients, and so the
-      optimizer step and its state, in host memory; needs a CUDA mesh (on a CPU mesh everything
-      already lives in host memory).
+      optimizer step and its state, in (pinned) host memory; on a CPU mesh, where everything
+      already lives there, it moves nothing and computes as without it.
     - `mesh`: a 1-D `DeviceMesh` (FSDP) or 2-D (HSDP); None = FSDP2's default, all ranks of the
       default process group on this process's CUDA device, or the CPU without CUDA.
 
     Call it after LoRA injection and `set_adapter` (the trainable set must be final), after
     `enable_activation_checkpointing`, on every rank, and build the optimizer afterwards over
     the (now DTensor) parameters. Raises ValueError when no block matches, when the module is
-    already sharded, when a unit's trainable parameters mix dtypes, or for offload without CUDA.
+    already sharded, or when a unit's trainable parameters mix dtypes.
     """
     if isinstance(transformer, FSDPModule):
         raise ValueError(f"{type(transformer).__name__} is already sharded with fully_shard: shard it once")
@@ -158,16 +158,14 @@ def shard_transformer(
                 f"FSDP unit {unit!r} has trainable parameters of several dtypes ({sorted(map(str, dtypes))}); "
                 "FSDP2 needs one dtype per unit: cast the trainable parameters to one dtype before sharding"
             )
+    offload: OffloadPolicy = OffloadPolicy()
     if cpu_offload:
         mesh_device = (
             mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        if mesh_device == "cpu":
-            raise ValueError(
-                "cpu_offload=True needs CUDA: on a CPU mesh the parameters already live in host memory; "
-                "set actor.param_offload=false"
-            )
-    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        # On a CPU mesh the shards already live in host memory: the policy moves nothing there
+        # (pinned memory needs an accelerator) and runs the step as on a GPU mesh.
+        offload = CPUOffloadPolicy(pin_memory=mesh_device != "cpu")
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
     )

@@ -9,7 +9,8 @@ The cheapest parallelism that fits wins:
            one device's speed (what the reference Flow-GRPO loop does, through accelerate's DDP).
     fsdp2  parameters, gradients and AdamW state are sharded over the workers (`diffrl.train.fsdp`):
            every forward all-gathers each block. Needed when the optimizer state of a full
-           fine-tuning, or the model itself, does not fit one device.
+           fine-tuning, or the model itself, does not fit one device. On one worker FSDP2 runs on
+           a one-rank group of its own (`join_one_rank_group`), for `actor.param_offload`.
     none   one worker: nothing to share.
 
 `actor.strategy=auto` (the default) is resolved once, in the run plan (diffrl.config.plan,
@@ -30,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -117,12 +119,77 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
+def join_one_rank_group(device: torch.device) -> None:
+    """Form a process group of this process alone, for FSDP2 on one worker (a one-rank mesh).
+
+    A one-worker run forms no group of workers, but FSDP2's `fully_shard` needs one: its units
+    all-gather and reduce-scatter over the mesh, which on one rank copy the whole parameters and
+    gradients through the same code as on several, so `actor.param_offload` (FSDP2's
+    `CPUOffloadPolicy`) keeps the parameters in host memory between uses as it does with two
+    ranks. The group's store is its own (`HashStore`: no port, no rendezvous); NCCL on a GPU,
+    gloo on the CPU. A no-op inside a group (a process of a WorkerGroup has joined its own)."""
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a `TrainEngine`'s transformer is shared (`prepare`): replicated (gradients averaged by
+    `average_gradients` before each optimizer step) or sharded with FSDP2, kept gathered through
+    a pass or not."""
+
+    replicated: bool = False
+    keep_gathered: bool = False
+
+
+def prepare(adapter, strategy: str, *, param_offload: bool) -> Parallel:
+    """Set up the adapter's transformer for `strategy` (the run plan's: ddp, fsdp2 or none), after
+    LoRA injection and before the optimizer is built over its parameters.
+
+    fsdp2 shards it (`diffrl.train.fsdp.shard_transformer`) over the process group, or over a
+    one-rank group of this process when it is in none (`join_one_rank_group`). The FSDP2 units
+    stay gathered through a pass when the whole gathered model is small next to the device (full
+    fine-tuning or sequence parallelism of a model that fits, not sharding for memory, and never
+    under param_offload): fewer all-gathers. ddp replicates only inside a group of several."""
+    if strategy == "ddp":
+        return Parallel(replicated=dist.is_initialized())
+    if strategy != "fsdp2":
+        return Parallel()
+    from diffrl.train.fsdp import gathered_bytes, shard_transformer
+
+    join_one_rank_group(torch.device(adapter.device))
+    transformer = adapter.transformer
+    memory = device_memory_bytes(dist.get_world_size())
+    keep_gathered = (
+        memory is not None
+        and not param_offload
+        and gathered_bytes(transformer, adapter.dtype) <= KEEP_GATHERED_FRACTION * memory
+    )
+    shard_transformer(
+        transformer,
+        adapter.block_class_names,
+        param_dtype=adapter.dtype,
+        reshard_after_forward=not keep_gathered,
+        cpu_offload=param_offload,
+    )
+    return Parallel(keep_gathered=keep_gathered)
+
+
 __all__ = [
     "REPLICATE_MAX_WEIGHT_SHARE",
     "STRATEGIES",
+    "Parallel",
     "StrategyChoice",
     "average_gradients",
     "choose_strategy",
     "device_memory_bytes",
+    "join_one_rank_group",
     "pipeline_weight_bytes",
+    "prepare",
 ]

@@ -3,8 +3,9 @@
 `RolloutWorker` is both the sampling half of a colocated `HybridWorker` (wrapping the actor's own
 module) and, in the separate placement, a replica with its own copy of the model: no optimizer,
 no gradients, weights arriving by `receive_weights` (diffrl.workers.weight_sync). A replica can
-also run the passes that need no gradient on the trajectories it samples (`evaluate`): the
-reference pass, and the old log-probs when its weights are the ones the update starts from.
+also run the passes that need no gradient on the trajectories it samples (`evaluate`, the
+trainer's own log-prob function): the reference pass, and the old log-probs when its weights are
+the ones the update starts from.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
-from diffrl.train.engine import OLD, POLICY, REFERENCE
-from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
-from diffrl.transition import Rollout, RolloutSummary, concat_rollouts, evaluate_window
+from diffrl.train.lora import inject_lora, merged_adapter
+from diffrl.train.policies import OLD, POLICY, window_log_probs
+from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
 from diffrl.workers.staging import fetched, handed_over
 
 
@@ -180,23 +181,21 @@ class RolloutWorker(ProfiledWorker):
     @profiled_call
     def evaluate(self, rollout: Rollout, policies: Sequence[str]) -> dict[str, tuple[torch.Tensor, Any]]:
         """{policy: (log-probs [B, W] on the CPU, the SDE means handed over)} of `rollout`'s window
-        steps under each of `policies` (`policy` or `reference`, the adapters disabled), with the
-        trainer's math: `evaluate_window` in micro-batches of `actor.micro_batch_size` (window
-        steps grouped per forward by `actor.replay_steps_per_forward`), the adapters switched by
-        `lora_policy`, as `TrainEngine.log_probs` does. On the same weights and the same
-        micro-batches the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
+        steps under each of `policies` (`default`, or `reference` with LoRA: the adapters
+        disabled): the trainer's own log-prob pass (`diffrl.train.policies.window_log_probs`, which
+        `TrainEngine.log_probs` runs), in micro-batches of `actor.micro_batch_size`. On the same
+        weights the results are the trainer's bitwise (docs/async.md, "Balanced pools")."""
         out: dict[str, tuple[torch.Tensor, Any]] = {}
         on_device = rollout.to(self.adapter.device)
         for policy in policies:
-            as_trained = policy == POLICY and self.adapter.trains_through_compiled_graph
-            with self._evaluating(policy):
-                log_probs, means = evaluate_window(
-                    self.adapter,
-                    on_device,
-                    self.cfg.actor.micro_batch_size,
-                    as_trained=as_trained,
-                    steps_per_forward=self.cfg.actor.replay_steps_per_forward,
-                )
+            log_probs, means = window_log_probs(
+                self.adapter,
+                on_device,
+                policy,
+                lora=self.cfg.model.lora.rank > 0,
+                micro_batch_size=self.cfg.actor.micro_batch_size,
+                steps_per_forward=self.cfg.actor.replay_steps_per_forward,
+            )
             out[policy] = (log_probs.cpu(), handed_over(means.cpu()))
         return out
 
@@ -214,19 +213,6 @@ class RolloutWorker(ProfiledWorker):
             "weight_version": self.weight_version,
             "busy_s": time.perf_counter() - start,
         }
-
-    @contextmanager
-    def _evaluating(self, policy: str) -> Iterator[None]:
-        if policy == POLICY:
-            yield
-        elif policy == REFERENCE and self.cfg.model.lora.rank > 0:
-            with lora_policy(self.adapter.transformer, None, POLICY):
-                yield
-        else:
-            raise ValueError(
-                f"a replica evaluates the trained policy or, with LoRA, the reference (the adapters "
-                f"disabled), not {policy!r}: set rollout.log_prob_passes=trainer"
-            )
 
     @profiled_call
     def sample_scored(
@@ -315,13 +301,13 @@ class RolloutWorker(ProfiledWorker):
 
 
 def reuses_log_probs(cfg: Config) -> bool:
-    """Whether the trainer takes the training rollouts' log-probs as its old ones: a policy-gradient
-    run that reuses them (`Config.reuses_rollout_log_probs`). Its sampler then computes the SDE
+    """Whether the trainer takes the training rollouts' log-probs as its old ones (the run plan's
+    rule, `diffrl.config.plan.old_log_probs_source`: `rollout`). Its sampler then computes the SDE
     window steps in the trainer's micro-batches (`TrajectorySampler._trained_slices`); a run that
     recomputes them, or trains on clean samples (direct preference), samples at its own."""
-    from diffrl.algos import POLICY_GRADIENT
+    from diffrl.config.plan import ROLLOUT, old_log_probs_source
 
-    return cfg.reuses_rollout_log_probs and cfg.algorithm.trainer_type == POLICY_GRADIENT
+    return old_log_probs_source(cfg) == ROLLOUT
 
 
 def computes_as_trained(cfg: Config) -> bool:

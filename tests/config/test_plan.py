@@ -138,13 +138,42 @@ def test_merged_lora_is_refused_where_the_plan_shards():
         plan_of("tiny_sd3", merged, TOO_BIG)  # auto shards this one: merging would do the wrong thing
 
 
-def test_a_setting_that_would_do_nothing_is_refused_with_the_fix():
+def test_one_worker_shards_on_a_one_rank_group_for_param_offload():
+    # actor.param_offload is FSDP2's CPU offload: auto shards one worker too (a one-rank group)
+    offloaded = plan_of("tiny_sd3", ["actor.param_offload=true"], FITS)
+    assert (offloaded.world_size, offloaded.strategy, offloaded.offload) == (1, "fsdp2", ("param",))
+    assert offloaded.strategy_reason == (
+        "actor.param_offload is FSDP2's CPU offload; one worker: FSDP2 on a one-rank group, its "
+        "parameters in host memory between uses"
+    )
+    assert "actor.strategy=fsdp2 (actor.param_offload" in offloaded.lines()[1]
+    assert "offload param" in offloaded.lines()[3]
+    explicit = plan_of("tiny_sd3", ["actor.strategy=fsdp2"])
+    assert explicit.strategy_reason == "set by actor.strategy; one worker: FSDP2 on a one-rank group"
+    assert plan_of("tiny_sd3").strategy == "none"  # without them one worker shares nothing
+    # sharded, the trainer's mixed precision is not a replica's: its old log-probs stay on the trainer
+    separate = plan_of("tiny_sd3", [*SEPARATE, "actor.strategy=fsdp2", "algorithm.old_log_probs=recompute"])
+    assert (separate.old_log_probs, separate.reference) == ("trainer", "replicas")
+    unsharded = plan_of("tiny_sd3", [*SEPARATE, "algorithm.old_log_probs=recompute"])
+    assert unsharded.old_log_probs == "replicas"
+    # merged LoRA needs unsharded weights, also on a one-rank group
+    merged = ["model.lora.merge_inference=true", "algorithm.trainer_type=direct_preference"]
+    merged += ["actor.loss.mode=awm", "actor.param_offload=true"]
     with pytest.raises(
-        ConfigError, match=r"actor\.param_offload=True is invalid: does nothing on one worker"
+        ConfigError,
+        match=r"shards them on a one-rank group: set actor\.param_offload=false with actor\.strategy=auto or none",
     ):
-        load_config("tiny_sd3", ["actor.param_offload=true"])
-    with pytest.raises(ConfigError, match=r"actor\.strategy='fsdp2' is invalid: does nothing on one worker"):
-        load_config("tiny_sd3", ["actor.strategy=fsdp2"])
+        plan_of("tiny_sd3", merged)
+
+
+def test_a_setting_that_would_do_nothing_is_refused_with_the_fix():
+    for strategy in ("ddp", "none"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"actor\.param_offload=True is invalid: does nothing with actor\.strategy={strategy}: "
+            r".*actor\.strategy=fsdp2",
+        ):
+            load_config("tiny_sd3", ["actor.param_offload=true", f"actor.strategy={strategy}"])
 
 
 @pytest.mark.parametrize(

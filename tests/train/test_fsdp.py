@@ -277,7 +277,8 @@ def test_process_group_helpers(sharded):
             f"cuda:{r}" if gpu else "cpu",
         )
         assert result["mean"] == {"a": 0.5, "b": 6.0}  # means of (0, 1) and (1, 11), keys sorted
-        assert "cpu_offload=True needs CUDA" in result["offload_error"]
+        # FSDP2's CPU offload also shards on a CPU mesh (it moves nothing there)
+        assert "offload_error" not in result
 
 
 def test_lora_under_fsdp_matches_one_process(sharded, single):
