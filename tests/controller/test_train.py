@@ -4,7 +4,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,13 @@ from diffrl.telemetry.report import GRID_MIN_TILE
 
 SMALL = ["trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
 NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")
+#: the references that only step 1 of is compared with: one step, no validation or checkpoint
+STEP_1_ONLY = [
+    "trainer.total_steps=1",
+    "trainer.save_freq=0",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+]
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
@@ -74,7 +80,7 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch, shared_ray)
             "tiny_sd3",
             # the start-up check (diffrl check --quick) is not what this compares
             [
-                *SMALL,
+                *STEP_1_ONLY,
                 f"trainer.output_dir={tmp_path}",
                 "trainer.run_name=single",
                 "trainer.check_at_start=false",
@@ -88,7 +94,12 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch, shared_ray)
     replicated = read_metrics(
         train(
             "tiny_sd3",
-            [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=ddp", "trainer.n_gpus_per_node=2"],
+            [
+                *STEP_1_ONLY,
+                f"trainer.output_dir={tmp_path}",
+                "trainer.run_name=ddp",
+                "trainer.n_gpus_per_node=2",
+            ],
         )
     )
     # the run plan resolves auto; the config keeps what the user asked for
@@ -110,6 +121,7 @@ def test_old_log_prob_reuse_agrees_with_forced_recompute(tmp_path, monkeypatch):
         "trainer.val_before_train=false",
         "trainer.test_freq=0",
         f"trainer.output_dir={tmp_path}",
+        "trainer.check_at_start=false",  # the start-up check is not what this compares
     ]
     reuse = read_metrics(train("tiny_sd3", [*common, "trainer.run_name=reuse"]))
     recompute = read_metrics(
@@ -142,6 +154,7 @@ def test_policy_gradient_sampling_with_merged_lora_recomputes_old_log_probs(tmp_
         "trainer.val_before_train=false",
         "trainer.test_freq=0",
         f"trainer.output_dir={tmp_path}",
+        "trainer.check_at_start=false",  # the start-up check is not what this compares
     ]
     merged = read_metrics(
         train("tiny_sd3", [*common, "trainer.run_name=merged", "model.lora.merge_inference=true"])
@@ -165,10 +178,12 @@ def test_policy_gradient_sampling_with_merged_lora_recomputes_old_log_probs(tmp_
 def test_a_killed_run_resumes_exactly(tmp_path, monkeypatch):
     """`diffrl train` SIGKILLed after step 3 (before step 4's checkpoint) resumes from step 2's
     checkpoint and logs steps 3 and 4 as an uninterrupted run did. The uninterrupted run runs in
-    this process (a process start and its imports are most of a tiny run's time); the killed and
-    the resumed ones are `diffrl train` processes, as a user's are."""
-    env = {**os.environ, "DIFFRL_CACHE": str(tmp_path / "cache")}
-    monkeypatch.setenv("DIFFRL_CACHE", env["DIFFRL_CACHE"])
+    this process; the killed and the resumed ones are `diffrl train` (its entry point,
+    `diffrl.cli.main`) in processes forked from it, killed from outside as a user's would be (a
+    fresh interpreter's imports would be most of a tiny run's time). All three compute on one
+    thread, as a forked child must."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = [
         "tiny_sd3",
         "trainer.total_steps=4",
@@ -180,30 +195,61 @@ def test_a_killed_run_resumes_exactly(tmp_path, monkeypatch):
     train(args[0], [*args[1:], f"trainer.output_dir={tmp_path}", "trainer.run_name=full"])
 
     killed_dir = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "diffrl.cli",
-        "train",
-        *args,
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=killed",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = ["train", *args, f"trainer.output_dir={tmp_path}", "trainer.run_name=killed"]
+    pid = fork_cli(cmd, tmp_path / "killed.log")
     deadline = time.time() + 300
     while time.time() < deadline and 3 not in _steps(killed_dir):
-        assert proc.poll() is None, proc.stderr.read()
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), (tmp_path / "killed.log").read_text()[-3000:]
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # after step 3, before step 4's checkpoint
-    proc.wait()
+    os.kill(pid, signal.SIGKILL)  # after step 3, before step 4's checkpoint
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signal.SIGKILL
     assert not (killed_dir / "checkpoints" / "step_00000004").exists()
 
-    resumed = train_subprocess([*args, f"trainer.output_dir={tmp_path}", "trainer.run_name=killed"], env)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout
+    code, output = run_forked_cli(cmd, tmp_path / "resumed.log")
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output
     expected, got = read_metrics(tmp_path / "full"), read_metrics(killed_dir)
     for step in (3, 4):
         assert comparable(got[step]) == pytest.approx(comparable(expected[step]), rel=1e-6, abs=1e-9), step
+
+
+def fork_cli(argv: list[str], log: Path) -> int:
+    """`diffrl <argv>` in a child forked from this process, its output to `log`; returns its PID.
+    The child computes on one thread (a forked child's OpenMP pool would hang: spawn_ranks.py)."""
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out = open(log, "w", buffering=1)  # noqa: SIM115 (the child ends in os._exit)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            sys.stdout = sys.stderr = out
+            torch.set_num_threads(1)
+            code = main(argv)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    return pid
+
+
+def run_forked_cli(argv: list[str], log: Path, timeout_s: float = 600) -> tuple[int, str]:
+    """`fork_cli` to its end: its exit code and its output (killed after `timeout_s`)."""
+    pid, deadline = fork_cli(argv, log), time.time() + timeout_s
+    while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.time() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(
+                f"diffrl {' '.join(argv)} did not end within {timeout_s:g} s: {log.read_text()[-3000:]}"
+            )
+        time.sleep(0.05)
+    return os.waitstatus_to_exitcode(status[1]), log.read_text()
 
 
 def _steps(run_dir: Path) -> set[int]:
@@ -211,16 +257,6 @@ def _steps(run_dir: Path) -> set[int]:
     if not path.exists():
         return set()
     return {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
-
-
-def train_subprocess(args, env):
-    return subprocess.run(
-        [sys.executable, "-m", "diffrl.cli", "train", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.mark.parametrize(
