@@ -28,6 +28,7 @@ import json
 import logging
 import shlex
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,7 +227,10 @@ def export_full(
         for key in list(state):
             state[key] = state[key].clone()
         cls = _model_class(transformer)
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            # peft warns at each adapter after the first; the clone takes the trained module's
+            # named adapters (default, old, ...) on purpose, to load its state dict as it is
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`", category=UserWarning)
             clone = cls.from_config(transformer.config)
             for name in names:
                 clone.add_adapter(copy.deepcopy(transformer.peft_config[name]), adapter_name=name)
