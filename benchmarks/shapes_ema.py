@@ -135,7 +135,7 @@ def tracked(emas: AdapterEMAs) -> Iterator[None]:
     def update(self: Any) -> None:
         nonlocal last_steps
         original_update(self)
-        steps = self.workers.call("optimizer_steps")[0]
+        steps = self.workers.call("report.optimizer_steps")[0]
         if steps != last_steps:  # a skipped (non-finite) step leaves the weights as they were
             last_steps = steps
             emas.update(self)

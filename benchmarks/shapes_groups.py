@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for step in steps:  # ascending: step 0 runs before any checkpoint is loaded
             if step:
                 verify_checkpoint(ckpts[step])
-                workers.call("load", str(ckpts[step]))
+                workers.call("checkpoint.load", str(ckpts[step]))
             line: dict[str, Any] = {"run": str(run), "step": step, "n": args.n}
             for sampler, (pixels, correct, sources) in sample_both(
                 cfg, workers, rewards, records, args.n

@@ -120,7 +120,9 @@ def _in_process(
             images=_images(records),
         )
         if log_probs:
-            rows += _log_prob_rows(cfg, group, sample=worker.sample, recompute=worker.log_probs)
+            rows += _log_prob_rows(
+                cfg, group, sample=worker.rollout.sample, recompute=worker.staging.log_probs
+            )
         rows += reward_rows(cfg, ode, _images(records))
         if quick:
             rows.append(skipped("memory", "--quick leaves out the micro-batches at the preset's sizes"))

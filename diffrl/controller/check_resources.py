@@ -190,8 +190,8 @@ def memory_rows(
         "rollout.micro_batch_size",
         sample_micro,
         device,
-        worker.memory,
-        lambda: worker.sample(batch_prompts, seed=seed, step=1, images=batch_images),
+        worker.report.memory,
+        lambda: worker.rollout.sample(batch_prompts, seed=seed, step=1, images=batch_images),
     )
     rows.append(sample_row)
     if rollout is None:
@@ -239,8 +239,8 @@ def memory_rows(
                 "actor.micro_batch_size",
                 len(micro),
                 device,
-                worker.memory,
-                lambda: worker.log_probs(micro),
+                worker.report.memory,
+                lambda: worker.staging.log_probs(micro),
                 also=replay_fix,
             )
             rows.append(recompute_row)
@@ -250,15 +250,15 @@ def memory_rows(
             # computes them (the pass itself costs what the recompute row above measured)
             from diffrl.train.engine import REFERENCE
 
-            ref_means = worker.log_probs(micro, REFERENCE)[1]
+            ref_means = worker.staging.log_probs(micro, REFERENCE)[1]
         targets = TrainingTargets(advantages_B=advantages_B, ref_means=ref_means, batch_size=[len(micro)])
 
         def update() -> dict:  # forward and backward over every window step, then AdamW's step
-            worker.forward_backward([PolicyGradientBatch(micro, targets)])
+            worker.staging.forward_backward([PolicyGradientBatch(micro, targets)])
             return worker.optim_step()
 
     update_row, _ = measure_phase(
-        "update", "actor.micro_batch_size", len(micro), device, worker.memory, update, also=replay_fix
+        "update", "actor.micro_batch_size", len(micro), device, worker.report.memory, update, also=replay_fix
     )
     rows.append(update_row)
     return rows
@@ -306,7 +306,7 @@ def weight_sync_rows(
     )
     rows = []
     placement.sync_weights(0)
-    trainer = placement.trainer.call("weight_digest")[0]
+    trainer = placement.trainer.call("weights.digest")[0]
     replicas = placement.replicas.call("weight_digest")
     rows.append(_compare_digests("weights: replicas = trainer (full sync)", trainer, replicas, fix))
     shard = prompt_shard(records, ["check"] * len(records), 0, cfg.rollout.pipeline.negative_prompt)
@@ -321,7 +321,7 @@ def weight_sync_rows(
     placement.trainer.call("stage_targets", targets, {})
     placement.trainer.call("staged_forward_backward", [torch.arange(batch)])
     placement.trainer.call("optim_step")
-    updated = placement.trainer.call("weight_digest")[0]
+    updated = placement.trainer.call("weights.digest")[0]
     placement.sync_weights(1)
     after = placement.replicas.call("weight_digest")
     changed = sum(1 for k in updated if updated[k] != trainer.get(k))

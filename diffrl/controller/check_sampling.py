@@ -7,7 +7,7 @@
   pre-hook): the timesteps (the shift), the CFG passes per sample and the guidance embedding, the
   latent shape (resolution, frames) and the text length; plus the decoded pixels' size.
 - `log_probs_vs_trainer`: the log-probs a training rollout stored against the trainer's
-  recomputation (`ActorWorker.log_probs` -> `TrainEngine.log_probs` -> `transition.evaluate_window`)
+  recomputation (`StagedStep.log_probs` -> `TrainEngine.log_probs` -> `transition.evaluate_window`)
   on unchanged weights, per trained step: bitwise where the run reuses them
   (`Config.reuses_rollout_log_probs`: then against the update's first forward, grad on, the
   graph a compiled sampler computes its window steps with), otherwise the gap the run recomputes

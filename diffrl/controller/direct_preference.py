@@ -107,7 +107,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         else:
             metrics, images = self._online_step()
         metrics.update(self.timer.metrics(images, self.placement.gpus))
-        metrics.update(peak_over_workers(self.workers.call("memory")))
+        metrics.update(peak_over_workers(self.workers.call("report.memory")))
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
 
@@ -304,7 +304,7 @@ class DirectPreferenceTrainer(TrainingLoop):
         the fixed `old_policy.decay` or the named schedule at the optimizer-step count."""
         if not self.with_old:
             return
-        steps = self.workers.call("optimizer_steps")[0]
+        steps = self.workers.call("report.optimizer_steps")[0]
         if steps == self.optim_steps:  # a skipped (non-finite) step
             return
         self.optim_steps = steps

@@ -92,7 +92,7 @@ def evaluate(
             base = validation_metrics(run_validation(cfg, workers, rewards, val_records, out, 0))
         step = 0
         if checkpoint is not None:
-            step = int(workers.call("load", str(checkpoint))[0]["step"])
+            step = int(workers.call("checkpoint.load", str(checkpoint))[0]["step"])
         metrics = validation_metrics(run_validation(cfg, workers, rewards, val_records, out, step))
     out.mkdir(parents=True, exist_ok=True)
     record = {"target": target, "checkpoint": str(checkpoint), "step": step, "metrics": metrics}

@@ -151,7 +151,7 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------------ run
     def resume(self, checkpoint: Path) -> None:
-        extra = self.workers.call("load", str(checkpoint))[0]
+        extra = self.workers.call("checkpoint.load", str(checkpoint))[0]
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["data"])
         # the replicas' first sync (every tensor), logged with the first step after the resume
@@ -378,7 +378,11 @@ class TrainingLoop:
     def save(self) -> None:
         extra = {"step": self.step, "data": self.data_position()}
         self.workers.call(
-            "save", str(self.run_dir / "checkpoints"), self.step, extra, self.cfg.trainer.keep_checkpoints
+            "checkpoint.save",
+            str(self.run_dir / "checkpoints"),
+            self.step,
+            extra,
+            self.cfg.trainer.keep_checkpoints,
         )
 
     def keep_if_best(self, validation: dict[str, float]) -> bool:
@@ -398,7 +402,7 @@ class TrainingLoop:
             "best": {"metric": metric, "score": score, "step": self.step},
         }
         with self.timer.phase("checkpoint"), progress(f"best checkpoint of step {self.step}"):
-            staged = self.workers.call("save", str(staging_root(root)), self.step, extra, 1)[0]
+            staged = self.workers.call("checkpoint.save", str(staging_root(root)), self.step, extra, 1)[0]
             publish_best(root, staged)
         self.best.kept(metric, score, self.step)
         return True

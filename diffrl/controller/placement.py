@@ -178,7 +178,7 @@ class Colocated(Placement):
 
     def sync_weights(self, version: int, *, full: bool = False) -> dict[str, float]:
         if version != self.weight_version:
-            gather(self.trainer.call_async("set_weight_version", version), timeout=self.timeout_s)
+            gather(self.trainer.call_async("weights.set_version", version), timeout=self.timeout_s)
             self.weight_version = version
         return {}
 
@@ -202,9 +202,9 @@ class Separate(Placement):
         self._deliveries: list[concurrent.futures.Future] = []
         self._delivery_error: BaseException | None = None
         # One group: trainer rank 0 (the source, rank 0) and the replicas (ranks 1..R).
-        host, port = trainer.call_async("weight_sync_address")[0].result(self.timeout_s)
+        host, port = trainer.call_async("weights.address")[0].result(self.timeout_s)
         world = 1 + replicas.size
-        joins = trainer.call_async("join_weight_sync", host, port, world, backend, sync.timeout_s)
+        joins = trainer.call_async("weights.join", host, port, world, backend, sync.timeout_s)
         joins += [
             replicas.submit(rank, "join_weight_sync", host, port, rank + 1, world, backend, sync.timeout_s)
             for rank in range(replicas.size)
@@ -314,9 +314,9 @@ class Separate(Placement):
             return {}
         full = full or not self._synced_once
         start = time.perf_counter()
-        specs = self.trainer.call_async("weight_specs", full)[0].result(self.timeout_s)
+        specs = self.trainer.call_async("weights.specs", full)[0].result(self.timeout_s)
         sync_timeout = self.cfg.rollout.weight_sync.timeout_s + 30
-        sends = self.trainer.call_async("send_weights", full, self.bucket_bytes)
+        sends = self.trainer.call_async("weights.send", full, self.bucket_bytes)
         receives = [
             self.replicas.submit(rank, "receive_weights", specs, version, self.bucket_bytes)
             for rank in range(self.replicas.size)
@@ -342,7 +342,7 @@ class Separate(Placement):
             raise RuntimeError("publish_weights before the first sync_weights")
         self._raise_failed_delivery()
         start = time.perf_counter()
-        specs = gather(self.trainer.call_async("snapshot_weights", version, False), timeout=self.timeout_s)[0]
+        specs = gather(self.trainer.call_async("weights.snapshot", version, False), timeout=self.timeout_s)[0]
         self._deliveries.append(self._pump.submit(self._deliver, version, specs))
         return {
             "weight_sync/seconds": time.perf_counter() - start,
@@ -356,7 +356,7 @@ class Separate(Placement):
         streams its copy of `version` (after the call it is running, if any), the replicas receive
         it. A failure stops the batches queued after it (`_stream`)."""
         try:
-            calls = [self.trainer.submit(0, "send_snapshot", version, self.bucket_bytes)]
+            calls = [self.trainer.submit(0, "weights.send_snapshot", version, self.bucket_bytes)]
             calls += [
                 self.replicas.submit(rank, "receive_weights", specs, version, self.bucket_bytes)
                 for rank in range(self.replicas.size)

@@ -150,7 +150,7 @@ class PolicyGradientTrainer(TrainingLoop):
                     step_seconds=metrics["timing_s/step"],
                 )
             )
-        metrics.update(peak_over_workers(self.workers.call("memory")))
+        metrics.update(peak_over_workers(self.workers.call("report.memory")))
         metrics["train/epoch"] = float(self.sampler.state_dict()["epoch"])
         return metrics
 
@@ -209,5 +209,5 @@ class PolicyGradientTrainer(TrainingLoop):
     def _flops(self, rollout: RolloutSummary) -> dict[str, float]:
         """Model FLOPs of this step's phases, from the adapter's analytic count (via a worker)."""
         return self.workers.call(
-            "phase_flops", len(rollout), rollout.window_size, not self.reuse_rollout_log_probs
+            "report.phase_flops", len(rollout), rollout.window_size, not self.reuse_rollout_log_probs
         )[0]

@@ -302,7 +302,7 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
             write_sampling_file(staging, settings_of_run(cfg.rollout, grammar))
 
         summary["model"] = str(
-            publish_by_workers(j.workers, j.run_dir / "model", "export_pipeline", write_info)
+            publish_by_workers(j.workers, j.run_dir / "model", "checkpoint.export_pipeline", write_info)
         )
         write_json(j.run_dir / "summary.json", summary)
         model, prompt = str(summary["model"]), EXAMPLE_PROMPTS[grammar]

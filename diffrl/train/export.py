@@ -499,7 +499,7 @@ def export_run(
 
 
 def publish_by_workers(workers, out: str | Path, method: str, write_info: Callable[[Path], None]) -> Path:
-    """The workers' export (`method`: export_lora or export_pipeline; every rank takes part, since
+    """The workers' export (`method`: checkpoint.export_lora or checkpoint.export_pipeline; every rank takes part, since
     gathering FSDP shards is a collective) written into a staging folder beside `out`, completed by
     `write_info(staging)` in this process, then published as `out` (which must be new or an
     earlier export)."""
@@ -522,14 +522,14 @@ def export_final_weights(workers, run_dir: str | Path, cfg, checkpoint: Path | N
     kind = "lora" if cfg.model.lora.rank > 0 else "pipeline"
     name, info, source = "export", {"step": "final"}, f"run {run_dir} (its final weights)"
     if checkpoint is not None:
-        extra = workers.call("load", str(checkpoint))[0]
+        extra = workers.call("checkpoint.load", str(checkpoint))[0]
         name, info = "export_best", {"step": extra["step"], "checkpoint": str(checkpoint)}
         info.update({"best": extra["best"]} if "best" in extra else {})
         source = f"{checkpoint} (step {extra['step']}, the run's best validation)"
     out = publish_by_workers(
         workers,
         Path(run_dir) / name,
-        f"export_{kind}",
+        f"checkpoint.export_{kind}",
         lambda staging: _write_info(
             staging, cfg, kind=kind, run=str(run_dir), base_model=cfg.model.path, **info
         ),

@@ -13,6 +13,12 @@ workers' small typed API through three verbs, so every remote call in a trainer 
 There is no metaprogrammed dispatch (no decorators that split or merge arguments): splitting a
 batch into shards and joining the results is the controller's visible code.
 
+A worker is composed of parts (diffrl.workers.roles): its own methods are the step's calls, and
+the parts it declares in `PARTS` (name -> class) are addressed as `"part.method"`, the method's
+name in that class (`trainer.call("weights.send", full, bucket_bytes)` runs
+`worker.weights.send(full, bucket_bytes)`). One dot, a declared part, a public method: nothing
+else is looked up (`bound_method`).
+
 Two implementations with the same semantics:
 
 - `RayGroup` (in `ray_group`): one Ray actor per worker (`ray.remote(cls)`), each in its own
@@ -64,7 +70,7 @@ from typing import Any
 
 from diffrl.workers.futures import LocalFuture, WorkerFuture, gather
 
-__all__ = ["InProcessGroup", "WorkerGroup"]
+__all__ = ["InProcessGroup", "WorkerGroup", "bound_method", "public_methods"]
 
 
 # ----------------------------------------------------------------------------------- the API
@@ -144,14 +150,22 @@ class WorkerGroup(ABC):
         return args, kwargs
 
     def _check_method(self, method: str) -> None:
-        """Fail in the controller, before anything is sent, when `method` is not on the class."""
+        """Fail in the controller, before anything is sent, when `method` is not on the class (or,
+        for `part.method`, on the class of a part it declares)."""
         self._check_open()
-        if not callable(getattr(self.cls, method, None)):
-            public = sorted(
-                name
-                for name, value in inspect.getmembers(self.cls)
-                if callable(value) and not name.startswith("_")
+        part, _, name = method.rpartition(".")
+        parts = getattr(self.cls, "PARTS", {})
+        owner = parts.get(part) if part else self.cls
+        if owner is None:
+            raise ValueError(
+                f"{self.cls.__name__} has no part {part!r} (in {method!r}); its parts are {sorted(parts)}"
             )
+        if name.startswith("_") or not callable(getattr(owner, name, None)):
+            public = [
+                f"{prefix}{n}"
+                for prefix, cls in [("", self.cls), *((f"{p}.", c) for p, c in sorted(parts.items()))]
+                for n in public_methods(cls)
+            ]
             raise ValueError(f"{self.cls.__name__} has no method {method!r}; its public methods are {public}")
 
     def _check_open(self) -> None:
@@ -170,6 +184,24 @@ class WorkerGroup(ABC):
     def __repr__(self) -> str:
         state = "shut down" if self._closed else f"{self.size} workers"
         return f"{type(self).__name__}({self.cls.__name__}, {state})"
+
+
+def public_methods(cls: type) -> list[str]:
+    """The names of `cls`'s public methods, sorted (a worker's RPC surface, a part's calls)."""
+    return sorted(
+        name for name, value in inspect.getmembers(cls) if callable(value) and not name.startswith("_")
+    )
+
+
+def bound_method(worker: Any, method: str) -> Callable[..., Any]:
+    """`worker.method`, or for `part.method` the method of the part `worker` declares in
+    `PARTS` under that name (the module docstring); the group checked the name before sending."""
+    part, _, name = method.rpartition(".")
+    if part:
+        if part not in getattr(type(worker), "PARTS", {}):
+            raise ValueError(f"{type(worker).__name__} has no part {part!r} (in {method!r})")
+        return getattr(getattr(worker, part), name)
+    return getattr(worker, method)
 
 
 def _check_reserved_names(cls: type, reserved: Sequence[str], group: str) -> None:
@@ -249,7 +281,7 @@ class InProcessGroup(WorkerGroup):
         return LocalFuture(future, rank, self.size, label)
 
     def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerFuture:
-        bound = getattr(self.workers[rank], method)
+        bound = bound_method(self.workers[rank], method)
         return self._run(rank, f"{self.cls.__name__}.{method}", bound, args, kwargs)
 
     def shutdown(self) -> None:

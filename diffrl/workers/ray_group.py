@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from diffrl.workers import liveness
 from diffrl.workers.errors import WorkerIdentity
 from diffrl.workers.futures import RayFuture, WorkerFuture, gather
-from diffrl.workers.group import WorkerGroup, _check_reserved_names, _check_size
+from diffrl.workers.group import WorkerGroup, _check_reserved_names, _check_size, bound_method
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -366,7 +366,11 @@ class RayGroup(WorkerGroup):
         return tuple(put(a) for a in args), {key: put(value) for key, value in kwargs.items()}
 
     def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerFuture:
-        ref = getattr(self.actors[rank], method).remote(*args, **kwargs)
+        actor = self.actors[rank]
+        if "." in method:  # a part's method: the actor's own `__ray_call__` runs it (in call order)
+            ref = actor.__ray_call__.remote(_call_part, method, *args, **kwargs)
+        else:
+            ref = getattr(actor, method).remote(*args, **kwargs)
         label = f"{self.cls.__name__}.{method}"
         with self._calls_lock:
             self._calls[rank].append((label, ref))
@@ -421,6 +425,11 @@ class RayGroup(WorkerGroup):
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
         self._closed = True
+
+
+def _call_part(worker: Any, method: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Runs inside an actor (`__ray_call__`): `part.method(*args, **kwargs)` of the worker."""
+    return bound_method(worker, method)(*args, **kwargs)
 
 
 def learn_identities(actors: Sequence[Any], cls_name: str, timeout_s: float) -> list[WorkerIdentity]:

@@ -7,24 +7,35 @@
 
 Colocation is the controller's placement decision: it picks HybridWorker, or (the separate
 placement, diffrl.controller.placement) ActorWorker ranks plus RolloutWorker replicas in their
-own processes, the actor's `send_weights` feeding the replicas' `receive_weights` over
+own processes, the actor's `weights.send` feeding the replicas' `receive_weights` over
 diffrl.workers.weight_sync; the classes carry no flags about it. Each role builds its model
-from the config inside its own process, so nothing large crosses the controller. The math lives
-elsewhere: policy-gradient and flow-matching updates in `diffrl.train.engine`, the forward-process
-losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`, FLOPs accounting in
-`diffrl.telemetry.perf`, export in `diffrl.train.export`. Every role can run a step under the
-profiler (`start_profile` / `stop_profile`, diffrl.telemetry.profiling); the methods marked
-`@profiled_call` are the calls its summary reports.
+from the config inside its own process, so nothing large crosses the controller.
+
+A training worker is a thin RPC surface over parts that each own one concern:
+
+    staging      the step's rollout held here and the policy-gradient passes over it
+                 (diffrl.workers.staging.StagedStep; reached through the worker's `stage`,
+                 `staged_log_probs`, `stage_targets`, `staged_forward_backward`)
+    weights      the weight source of a sync: address, join, specs, send, snapshot, digest
+                 (diffrl.workers.weight_source)
+    checkpoint   save, load, export (diffrl.workers.checkpointing)
+    report       memory, phase FLOPs, optimizer steps (diffrl.workers.reporting)
+
+The worker's own methods are the step's calls; the parts in `PARTS` are addressed by the
+controller as `"part.method"` (diffrl.workers.group: `trainer.call("checkpoint.save", ...)`).
+The math lives elsewhere: policy-gradient and flow-matching updates in `diffrl.train.engine`, the
+forward-process losses in `diffrl.train.preference`, SFT's draws in `diffrl.algos.sft_batch`,
+FLOPs accounting in `diffrl.telemetry.perf`, export in `diffrl.train.export`. Every role can run a
+step under the profiler (`start_profile` / `stop_profile`, diffrl.telemetry.profiling); the methods
+marked `@profiled_call` are the calls its summary reports.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,17 +43,14 @@ from diffrl.config.plan import RunPlan
 from diffrl.config.schema import Config
 from diffrl.models.base import ModelAdapter
 from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
-from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
+from diffrl.train.batch import TrainingTargets
 from diffrl.train.engine import POLICY, REFERENCE, TrainEngine
-from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
-from diffrl.workers.rollout_worker import (
-    PromptShard,
-    RolloutWorker,
-    build_adapter,
-    weight_digests,
-    worker_device,
-)
-from diffrl.workers.staging import LocalStore, StagedRows, handed_over
+from diffrl.transition import Rollout, RolloutSummary
+from diffrl.workers.checkpointing import Checkpointing
+from diffrl.workers.reporting import Reporting
+from diffrl.workers.rollout_worker import PromptShard, RolloutWorker, build_adapter, worker_device
+from diffrl.workers.staging import StagedStep
+from diffrl.workers.weight_source import InPlaceWeights, WeightSource
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,14 @@ def join_process_group() -> None:
 
 
 class ActorWorker(ProfiledWorker):
-    """The training engine in a worker process."""
+    """The training engine in a worker process (the module docstring: its parts)."""
+
+    # the parts the controller addresses as "part.method" (diffrl.workers.group)
+    PARTS: ClassVar[Mapping[str, type]] = {
+        "weights": WeightSource,
+        "checkpoint": Checkpointing,
+        "report": Reporting,
+    }
 
     def __init__(
         self,
@@ -102,30 +117,13 @@ class ActorWorker(ProfiledWorker):
         from diffrl.train.sequence_parallel import for_training
 
         # Ulysses SP (None at size 1): attached only while training, so the module samples without it
-        self._sequence_parallel = for_training(adapter, cfg, self.engine.strategy)
-        self._text_len = 0
-        self._cond_tokens = 0
-        self._weight_sync: Any = None  # rank 0's WeightSyncGroup with the replicas (separate placement)
-        # rank 0, bounded staleness: weight versions copied for the replicas, not yet sent to them
-        self._snapshots: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        self._staged: StagedRows | None = None  # this rank's rows of the step's rollout (`stage`)
-        self._kept = LocalStore()  # what this worker sampled or computed for its own rows
+        self.staging = StagedStep(self.engine, for_training(adapter, cfg, self.engine.strategy))
+        self.weights = WeightSource(self.engine, cfg)
+        self.checkpoint = Checkpointing(self.engine, cfg)
+        self.report = Reporting(self.engine, cfg, self.staging)
         # Supervised training only (`flow_matching_backward`): filled on first use.
         self._training_sigmas: torch.Tensor | None = None
         self._prompt_cache: dict[str, Any] = {}
-
-    @profiled_call
-    def forward_backward(
-        self, micro_batches: Sequence[PolicyGradientBatch], window_steps: Sequence[int] | None = None
-    ):
-        if micro_batches:  # the prompt length (and condition tokens) this step trains with, for `phase_flops`
-            self._text_len = micro_batches[0].rollout.prompt_embeds.embeds.shape[1]
-            self._cond_tokens = micro_batches[0].rollout.prompt_embeds.cond_tokens
-        sp = self._sequence_parallel
-        with sp.active() if sp is not None else nullcontext():
-            return self.engine.forward_backward(
-                _to_device(micro_batches, self.engine.adapter.device), window_steps
-            )
 
     @profiled_call
     def flow_matching_backward(self, shard: ImageShard, *, seed: int, step: int) -> dict[str, float]:
@@ -134,7 +132,7 @@ class ActorWorker(ProfiledWorker):
         from diffrl.algos.sft_batch import supervised_draws, training_sigmas
         from diffrl.train.engine import FlowMatchingBatch
 
-        if self._sequence_parallel is not None:
+        if self.staging.sequence_parallel is not None:
             raise ValueError("diffrl sft does not run sequence-parallel: set actor.sequence_parallel_size=1")
         cfg, adapter = self.cfg, self.engine.adapter
         height, width = int(shard.pixels.shape[-2]), int(shard.pixels.shape[-1])
@@ -193,17 +191,6 @@ class ActorWorker(ProfiledWorker):
                 cache[prompt] = encoded[i : i + 1]
         return torch.cat([cache[p] for p in prompts])
 
-    def export_pipeline(self, out_dir: str) -> str:
-        """The whole pipeline with the trained transformer (LoRA merged in) as a diffusers directory
-        (`diffrl.train.export.export_pipeline`; every rank calls it, rank 0 writes)."""
-        from diffrl.train.export import export_pipeline
-
-        return str(
-            export_pipeline(
-                self.engine.adapter, out_dir, model_path=self.cfg.model.path, merge=self.engine.lora
-            )
-        )
-
     @profiled_call
     def optim_step(self) -> dict[str, float]:
         return self.engine.optim_step()
@@ -250,10 +237,6 @@ class ActorWorker(ProfiledWorker):
             self.engine, micro_batches, call=self._velocity_call(), seed=seed, step=step, epoch=epoch
         )
 
-    def optimizer_steps(self) -> int:
-        """Optimizer steps taken so far (skipped non-finite steps excluded; restored on resume)."""
-        return self.engine.optim_steps
-
     @torch.no_grad()
     @profiled_call
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -271,186 +254,34 @@ class ActorWorker(ProfiledWorker):
             list(prompts), None, max_sequence_length=self.cfg.rollout.pipeline.max_sequence_length
         ).to("cpu")
 
-    @profiled_call
-    def log_probs(
-        self, rollout: Rollout, policy: str = POLICY, as_trained: bool | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, SDE means) on the CPU of the rollout's window steps under `policy`.
-
-        `as_trained` None: the trained policy's through the update's own graph when the blocks
-        are compiled (the old log-probs PPO's ratio divides by are then the update's first
-        forward bit for bit: compiled, no-grad is another graph), no grad otherwise."""
-        if as_trained is None:
-            as_trained = policy == POLICY and self.engine.adapter.trains_through_compiled_graph
-        rollout = rollout.to(self.engine.adapter.device)
-        log_probs, means = self.engine.log_probs(rollout, policy, as_trained=as_trained)
-        return log_probs.cpu(), means.cpu()
-
-    # ------------------------------------------------- the step's rollout, held here (policy gradient)
-    @profiled_call
+    # -------------------- the step's rollout, held here (policy gradient): the staging part's calls
     def stage(self, parts: Sequence[Any], first_row: int = 0) -> None:
-        """Take this rank's rows of the step's rollout: the samplers' pieces in order, starting at
-        row `first_row` (object references fetched here, `Kept` markers resolved from this
-        worker's own store: diffrl.workers.staging). Later calls name samples by the step's row
-        numbers; the tensors never pass through the controller."""
-        self._staged = StagedRows(concat_rollouts(self._kept.resolve(parts)), first_row)
+        """`StagedStep.stage`: this rank's rows of the step's rollout, from row `first_row`."""
+        self.staging.stage(parts, first_row)
 
-    @profiled_call
     def staged_log_probs(
         self, rows: slice, policy: str = POLICY, keep: bool = False
     ) -> tuple[torch.Tensor, Any]:
-        """(log-probs [R, W] on the CPU, the SDE means) of the staged rows under `policy`. The means
-        are latent-sized: handed over (an object reference in a Ray worker) for `stage_targets` on
-        whichever ranks train those rows, or with `keep` kept here for this rank's own."""
-        staged = self._staged.rollout.select(self._staged.local(rows)).compact()
-        log_probs, means = self.log_probs(staged, policy)
-        return log_probs, self._kept.keep(f"means/{policy}", means) if keep else handed_over(means)
+        """`StagedStep.staged_log_probs`: (log-probs on the CPU, the SDE means) of staged rows."""
+        return self.staging.staged_log_probs(rows, policy, keep)
 
-    @profiled_call
     def stage_targets(self, targets: TrainingTargets, means: Mapping[str, Sequence[Any]]) -> None:
-        """The step's per-sample training targets: the controller's (advantages, old log-probs,
-        weights, step mask; all rows) plus the SDE means `staged_log_probs` computed, by field name
-        (`old_means`, `ref_means`), each the pieces that cover this rank's rows, in row order."""
-        self._staged.set_targets(targets, {name: self._kept.resolve(p) for name, p in means.items()})
+        """`StagedStep.stage_targets`: the step's training targets and the staged rows' SDE means."""
+        self.staging.stage_targets(targets, means)
 
-    @profiled_call
     def staged_forward_backward(self, micro_rows: Sequence[torch.Tensor]) -> dict[str, float]:
-        """`forward_backward` of the staged rows, one micro-batch per entry of `micro_rows`."""
-        return self.forward_backward([self._staged.batch(rows) for rows in micro_rows])
-
-    def copy_adapter(self, src: str, dst: str) -> None:
-        self.engine.copy_adapter(src, dst)
+        """`StagedStep.staged_forward_backward`: one micro-batch of staged rows per entry."""
+        return self.staging.staged_forward_backward(micro_rows)
 
     def ema_adapter(self, decay: float, src: str, dst: str) -> None:
         self.engine.ema_adapter(decay, src, dst)
 
-    @profiled_call
-    def save(self, root: str, step: int, extra: dict, keep_last: int) -> str:
-        return str(self.engine.save(root, step, extra, keep_last))
-
-    @profiled_call
-    def load(self, path: str) -> dict:
-        return self.engine.load(path)
-
-    def export_lora(self, out_dir: str) -> str:
-        return str(self.engine.export_lora(Path(out_dir)))
-
-    def memory(self) -> dict[str, float]:
-        """Peak memory since the last call (GPU allocated/reserved, host RSS)."""
-        from diffrl.telemetry import memory_metrics
-
-        return memory_metrics(self.engine.adapter.device)
-
-    def phase_flops(self, images: int, window: int, recompute_old: bool) -> dict[str, float]:
-        """Model FLOPs of one step's phases (`diffrl.telemetry.perf.phase_flops`), with the prompt
-        length and condition-image tokens of this worker's last training micro-batch."""
-        from diffrl.telemetry.perf import phase_flops
-
-        return phase_flops(
-            self.engine.adapter,
-            self.cfg,
-            images=images,
-            window=window,
-            text_len=self._text_len,
-            cond_tokens=self._cond_tokens,
-            recompute_old=recompute_old,
-            trains_base_weights=not self.engine.lora,
-        )
-
-    # ------------------------------------------------------------------ weights (separate placement)
-    def weight_sync_address(self) -> tuple[str, int]:
-        """Where rank 0 hosts the weight-sync group's store: a free port on loopback for a local Ray
-        cluster (nothing listens beyond this host), on this node's address in a multi-node one."""
-        from diffrl.workers.weight_sync import free_address
-
-        return free_address(local=self.cfg.trainer.ray_address is None)
-
-    def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Rank 0 joins the weight-sync group as its source (rank 0 of it); the other ranks take part
-        in sends only through FSDP's all-gathers, so they join nothing."""
-        from diffrl.train.distributed import rank as process_rank
-        from diffrl.workers.weight_sync import WeightSyncGroup
-
-        if process_rank() == 0:
-            self._weight_sync = WeightSyncGroup.join(
-                host, port, 0, world_size, backend=backend, timeout_s=timeout_s
-            )
-
-    def weight_specs(self, full: bool) -> list[Any]:
-        """Name, global shape and dtype of what `send_weights(full)` streams (no gathering needed)."""
-        from diffrl.workers.weight_sync import tensor_specs
-
-        keep = self._sync_filter(full)
-        return tensor_specs((k, t) for k, t in self.engine.transformer.state_dict().items() if keep(k))
-
-    @torch.no_grad()
-    @profiled_call
-    def send_weights(self, full: bool, bucket_bytes: int) -> dict[str, float]:
-        """Stream the weights to the replicas: every tensor (`full`) or the LoRA adapters only.
-
-        Every rank walks the same tensors (under FSDP2 each is all-gathered, collectively, just
-        before it is sent); rank 0 broadcasts them to the replicas bucket by bucket."""
-        from diffrl.train.distributed import rank as process_rank
-        from diffrl.train.export import iter_weights
-
-        named = iter_weights(self.engine.transformer, adapter_only=self.engine.lora and not full)
-        if process_rank() != 0:
-            for _ in named:  # the all-gathers rank 0 needs
-                pass
-            return {}
-        if self._weight_sync is None:
-            raise RuntimeError("send_weights before join_weight_sync: the controller must join first")
-        return self._weight_sync.send(named, bucket_bytes=bucket_bytes).metrics()
-
-    @torch.no_grad()
-    @profiled_call
-    def snapshot_weights(self, version: int, full: bool) -> list[Any]:
-        """Copy what `send_weights(full)` would stream, as weight version `version`, for a later
-        `send_snapshot` (bounded staleness: the replicas take it once they have sampled the batches
-        queued before it, while this worker trains on). Collective under FSDP2 like `send_weights`;
-        rank 0 keeps the copies in host memory and returns their specs, the other ranks []."""
-        from diffrl.train.distributed import rank as process_rank
-        from diffrl.train.export import iter_weights
-        from diffrl.workers.weight_sync import tensor_specs
-
-        named = iter_weights(self.engine.transformer, adapter_only=self.engine.lora and not full)
-        if process_rank() != 0:
-            for _ in named:  # the all-gathers rank 0 needs
-                pass
-            return []
-        copies = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
-        self._snapshots[version] = copies
-        return tensor_specs(copies)
-
-    @profiled_call
-    def send_snapshot(self, version: int, bucket_bytes: int) -> dict[str, float]:
-        """Stream the copies `snapshot_weights(version)` kept to the replicas and drop them; rank 0."""
-        if self._weight_sync is None:
-            raise RuntimeError("send_snapshot before join_weight_sync: the controller must join first")
-        if version not in self._snapshots:
-            raise RuntimeError(f"no snapshot of weight version {version} (held: {sorted(self._snapshots)})")
-        copies = self._snapshots.pop(version)
-        return self._weight_sync.send(iter(copies), bucket_bytes=bucket_bytes).metrics()
-
-    def weight_digest(self) -> dict[str, str]:
-        """sha256 of every state-dict tensor's bytes (tests compare replicas with the trainer)."""
-        return weight_digests(self.engine.transformer.state_dict())
-
-    def close_weight_sync(self) -> None:
-        if self._weight_sync is not None:
-            self._weight_sync.close()
-            self._weight_sync = None
-
-    def _sync_filter(self, full: bool) -> Callable[[str], bool]:
-        if full or not self.engine.lora:
-            return lambda name: True
-        from diffrl.train.export import adapter_key_predicate
-
-        return adapter_key_predicate(self.engine.transformer, None)
-
 
 class HybridWorker(ActorWorker):
     """Actor and sampler on one module: new weights reach the sampler without any copy."""
+
+    # `weights.set_version`: the sampler's module is the trained one, only its version moves
+    PARTS: ClassVar[Mapping[str, type]] = {**ActorWorker.PARTS, "weights": InPlaceWeights}
 
     def __init__(
         self,
@@ -463,10 +294,7 @@ class HybridWorker(ActorWorker):
     ):
         super().__init__(cfg, adapter, with_old=with_old, with_reference=with_reference, plan=plan)
         self.rollout = RolloutWorker(cfg, self.engine.adapter, use_policy=self.engine.inference_policy)
-
-    @profiled_call
-    def sample(self, prompts: Sequence[str], **kwargs) -> Rollout:
-        return self.rollout.sample(prompts, **kwargs)
+        self.weights = InPlaceWeights(self.engine, cfg, self.rollout)
 
     @profiled_call
     def sample_and_score(
@@ -486,30 +314,11 @@ class HybridWorker(ActorWorker):
         summary, rollout = self.rollout.sample_scored(
             shard, seed=seed, step=step, rewards=rewards, policy=policy
         )
-        return summary, self._kept.keep("rollout", rollout)
-
-    def set_weight_version(self, version: int) -> None:
-        """Colocated weights change in place; only the version the rollouts record moves."""
-        self.rollout.weight_version = version
+        return summary, self.staging.kept.keep("rollout", rollout)
 
     @profiled_call
     def validate_and_score(self, shard: PromptShard, *, rewards: Any) -> Rollout:
         return self.rollout.validate_and_score(shard, rewards=rewards)
-
-
-def _to_device(
-    micro_batches: Sequence[PolicyGradientBatch], device: torch.device
-) -> list[PolicyGradientBatch]:
-    """Move micro-batches to `device`, copying a prompt table they share only once."""
-    tables: dict[int, Any] = {}
-    moved = []
-    for mb in micro_batches:
-        key = id(mb.rollout.prompt_embeds)
-        if key not in tables:
-            tables[key] = mb.rollout.prompt_embeds.to(device)
-        rollout = replace(mb.rollout.to_samples_device(device), prompt_embeds=tables[key])
-        moved.append(PolicyGradientBatch(rollout, mb.targets.to(device)))
-    return moved
 
 
 __all__ = [

@@ -200,7 +200,7 @@ def test_each_batch_is_sampled_with_the_weights_of_its_scheduled_version(tmp_pat
 
     def recording_train_step(self):
         # the weights the step starts from: version step - 1
-        trainer_digests[self.step - 1] = self.workers.workers[0].weight_digest()
+        trainer_digests[self.step - 1] = self.workers.workers[0].weights.digest()
         return train_step(self)
 
     def recording_sample(self, shard, **kwargs):

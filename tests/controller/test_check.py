@@ -242,8 +242,9 @@ def separate_pools():
     placement = Separate(cfg, trainer, replicas, backend="gloo")
     yield cfg, placement
     placement.shutdown()
+    trainer.call("weights.close")
+    replicas.call("close_weight_sync")
     for group in (trainer, replicas):
-        group.call("close_weight_sync")
         group.shutdown()
 
 

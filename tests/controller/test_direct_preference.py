@@ -14,6 +14,7 @@ from diffrl.controller.run import train
 from diffrl.data.preference import CACHE_DIR, CACHE_FILE
 from diffrl.telemetry import read_metrics
 from diffrl.train.engine import OLD, POLICY
+from diffrl.workers.checkpointing import Checkpointing
 from diffrl.workers.roles import HybridWorker
 
 FAST = [
@@ -58,7 +59,7 @@ def recorded(monkeypatch):
     """The trained adapter before the first and after every optimizer step, and both adapters at
     every checkpoint save, recorded from the (in-process) worker."""
     records = {"policy": [], "saved": []}
-    optim_step, save = HybridWorker.optim_step, HybridWorker.save
+    optim_step, save = HybridWorker.optim_step, Checkpointing.save
 
     def recording_optim_step(self):
         if not records["policy"]:
@@ -72,7 +73,7 @@ def recorded(monkeypatch):
         return save(self, *args)
 
     monkeypatch.setattr(HybridWorker, "optim_step", recording_optim_step)
-    monkeypatch.setattr(HybridWorker, "save", recording_save)
+    monkeypatch.setattr(Checkpointing, "save", recording_save)
     return records
 
 

@@ -106,7 +106,7 @@ def test_a_kill_between_publishing_a_checkpoint_and_logging_its_step_loses_no_st
     [
         (
             "actor",
-            r"HybridWorker rank 1 \(of 2\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) HybridWorker\.\w+\)?: \w*Actor",
+            r"HybridWorker rank 1 \(of 2\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) HybridWorker\.[\w.]+\)?: \w*Actor",
         ),
         (
             "reward",
@@ -157,7 +157,7 @@ SEPARATE = [
         # the weight-sync source: killed before step 1's first sync
         (
             {"at": "trainer", "rank": 0},
-            r"ActorWorker rank 0 \(of 1\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) ActorWorker\.\w+\)?: \w*Actor",
+            r"ActorWorker rank 0 \(of 1\) on node \S+ \(pid \d+\) died (during|while idle \(its last call:) ActorWorker\.[\w.]+\)?: \w*Actor",
         ),
         (
             {"at": "reward"},

@@ -151,7 +151,7 @@ def test_trainer_and_replica_on_different_nodes_share_weights_bitwise(two_nodes,
             loop.step = step
             loop.train_step()
             placement.sync_weights(step)
-            trainer = placement.trainer.call("weight_digest")[0]
+            trainer = placement.trainer.call("weights.digest")[0]
             assert placement.replicas.call("weight_digest")[0] == trainer, f"step {step}: weights differ"
             assert trainer != before  # the step changed what crossed the nodes
             before = trainer

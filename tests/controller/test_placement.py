@@ -137,7 +137,7 @@ def synced_pools(shared_ray, tmp_path_factory) -> dict:
                 seen["steps"].append(
                     {
                         "sent": sent,
-                        "trainer": placement.trainer.call("weight_digest")[0],
+                        "trainer": placement.trainer.call("weights.digest")[0],
                         "replicas": placement.replicas.call("weight_digest"),
                     }
                 )

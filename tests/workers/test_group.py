@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import ClassVar
 
 import pytest
 import ray
@@ -35,14 +36,35 @@ ENV_KEYS = (
 )
 
 
+class Ledger:
+    """A part of `Counter` (addressed as "ledger.<method>"): what was written to it, in order."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, line: str, *, twice: bool = False) -> int:
+        self.lines += [line] * (2 if twice else 1)
+        return len(self.lines)
+
+    def read(self) -> list[str]:
+        return list(self.lines)
+
+    def _hidden(self) -> None:  # not a call: private
+        raise AssertionError("a private method of a part was called")
+
+
 class Counter:
-    """A plain worker class: a running total, some tensor math, failures on request."""
+    """A plain worker class: a running total, some tensor math, failures on request; a part."""
+
+    PARTS: ClassVar[dict[str, type]] = {"ledger": Ledger}
 
     def __init__(self, start: float = 0.0, fail: bool = False) -> None:
         if fail:
             raise ValueError(f"cannot start from {start}")
         self.total = start
         self.init_thread = threading.current_thread().name
+        self.ledger = Ledger()
+        self.scratch = Ledger()  # an attribute, not a declared part: never addressed
 
     def threads(self) -> tuple[str, str]:
         """The thread that constructed this worker and the one running this call."""
@@ -135,6 +157,32 @@ def check_errors(group) -> None:
     assert group.call("fail_if", False) == ["ok", "ok"]  # still usable
 
 
+def check_parts(group) -> None:
+    """ "part.method" runs the method of the part the worker declares, in call order with the
+    worker's own methods; an undeclared part, a private or a missing method fails in the controller."""
+    assert group.call("ledger.write", "a") == [1, 1]
+    assert group.scatter("ledger.write", ["b", "c"], twice=True) == [3, 3]
+    futures = group.call_async("ledger.write", "d") + group.call_async("add", 0.0)
+    assert group.gather(futures)[:2] == [4, 4]
+    assert group.submit(1, "ledger.read").result(30) == ["a", "c", "c", "d"]
+    with pytest.raises(
+        ValueError, match=r"Counter has no part 'scratch' \(in 'scratch\.write'\); its parts are \['ledger'\]"
+    ):
+        group.call("scratch.write", "x")
+    with pytest.raises(
+        ValueError, match=r"Counter has no method 'ledger\._hidden'; its public methods are \['add'"
+    ):
+        group.call("ledger._hidden")
+    with pytest.raises(
+        ValueError,
+        match=r"no method 'ledger\.wirte'; its public methods are \[.*'ledger\.read', 'ledger\.write'\]",
+    ):
+        group.call("ledger.wirte", "x")
+    with pytest.raises(ValueError, match=r"Counter has no part 'ledger\.x'"):
+        group.call("ledger.x.write", "x")
+    assert group.call("ledger.read")[0] == ["a", "b", "b", "d"]  # nothing else reached the worker
+
+
 def check_overlap(group) -> None:
     """`call_async` returns before the work ends, and workers run concurrently."""
     start = time.perf_counter()
@@ -197,6 +245,7 @@ def test_in_process_group(synchronous):
         assert group.size == len(group) == 2
         check_script(run_script(group))
         check_errors(group)
+        check_parts(group)
         if not synchronous:
             check_overlap(group)
         assert [w.total for w in group.workers] == [14.5, 24.25]
@@ -278,6 +327,7 @@ def test_ray_group_same_results_as_in_process(ray_group):
     assert ray_group.size == 2
     check_script(run_script(ray_group))
     check_errors(ray_group)
+    check_parts(ray_group)
     check_overlap(ray_group)
     pids = ray_group.call("pid")
     assert len(set(pids)) == 2 and os.getpid() not in pids  # one process per worker

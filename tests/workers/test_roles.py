@@ -3,7 +3,9 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
-from diffrl.workers.roles import HybridWorker, PromptShard, RolloutWorker
+from diffrl.workers.group import public_methods
+from diffrl.workers.roles import ActorWorker, HybridWorker, PromptShard, RolloutWorker
+from diffrl.workers.weight_source import InPlaceWeights, WeightSource
 
 PROMPTS = ["a red circle", "a blue square"]
 
@@ -36,17 +38,33 @@ def cfg(tiny_model):
 def update(worker, rollout):
     advantages = TrainingTargets(advantages_B=torch.tensor([1.0, -1.0] * 4), batch_size=[len(rollout)])
     trained = PolicyGradientBatch(rollout, advantages)
-    worker.forward_backward([trained.select(slice(0, 4)), trained.select(slice(4, 8))])
+    worker.staging.forward_backward([trained.select(slice(0, 4)), trained.select(slice(4, 8))])
     return worker.optim_step()
+
+
+def test_worker_classes_are_thin_surfaces_over_the_parts_they_declare():
+    """At most 15 public methods a role; a part is addressed as "part.method", never by the
+    worker's own name (the two never clash)."""
+    for role in (ActorWorker, HybridWorker, RolloutWorker):
+        assert len(public_methods(role)) <= 15, (role.__name__, public_methods(role))
+    assert sorted(ActorWorker.PARTS) == sorted(HybridWorker.PARTS) == ["checkpoint", "report", "weights"]
+    assert (
+        HybridWorker.PARTS["weights"] is InPlaceWeights
+    )  # colocated: `weights.set_version` only moves the version
+    assert not hasattr(WeightSource, "set_version")
 
 
 def test_hybrid_worker_samples_with_the_weights_it_just_trained(cfg):
     hybrid = HybridWorker(cfg)
-    first = hybrid.sample(PROMPTS, seed=0, step=0)
-    again = hybrid.sample(PROMPTS, seed=0, step=0)
+    for name, part in HybridWorker.PARTS.items():  # what the controller's "part.method" reaches
+        assert type(getattr(hybrid, name)) is part
+    hybrid.weights.set_version(7)
+    assert hybrid.rollout.weight_version == 7
+    first = hybrid.rollout.sample(PROMPTS, seed=0, step=0)
+    again = hybrid.rollout.sample(PROMPTS, seed=0, step=0)
     assert torch.equal(first.samples.final_latents, again.samples.final_latents)
     update(hybrid, first)
-    after = hybrid.sample(PROMPTS, seed=0, step=0)  # same seed, new weights, no copy in between
+    after = hybrid.rollout.sample(PROMPTS, seed=0, step=0)  # same seed, new weights, no copy in between
     assert not torch.equal(after.samples.final_latents, first.samples.final_latents)
     assert hybrid.rollout.adapter is hybrid.engine.adapter
 
@@ -117,8 +135,8 @@ def test_compiled_replica_and_trainer_compute_the_trained_policy_through_the_tra
     passes = replica.evaluate(rollout, [POLICY, REFERENCE])
     assert sorted(sampled) == sorted([(4, True)] * (2 * window) + [(4, False)] * (2 * window))
     recomputed = record(trainer.engine.adapter)
-    old, _ = trainer.log_probs(rollout)  # the run's recompute: as_trained by default when compiled
-    ref_trainer, _ = trainer.log_probs(rollout, REFERENCE)
+    old, _ = trainer.staging.log_probs(rollout)  # the run's recompute: as_trained by default when compiled
+    ref_trainer, _ = trainer.staging.log_probs(rollout, REFERENCE)
     assert sorted(recomputed) == sorted([(4, True)] * (2 * window) + [(4, False)] * (2 * window))
     assert torch.equal(passes[POLICY][0], old) and torch.equal(old, rollout.samples.log_probs_BW)
     assert torch.equal(passes[REFERENCE][0], ref_trainer)
