@@ -28,7 +28,7 @@ from diffrl.data import PromptRecord
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.rewards.server import start_reward_server
 from diffrl.schedules import flow_match_schedule
-from diffrl.train import engine
+from diffrl.train import policies
 from diffrl.transition import evaluate_window
 from diffrl.workers.group import InProcessGroup
 from diffrl.workers.roles import ActorWorker, RolloutWorker
@@ -181,7 +181,7 @@ def test_the_log_prob_rows_compare_with_the_pass_the_run_takes_its_old_log_probs
         assert not log_probs.requires_grad and not means.requires_grad
         return log_probs, means
 
-    monkeypatch.setattr(engine, "evaluate_window", spy)
+    monkeypatch.setattr(policies, "evaluate_window", spy)
     report = check("tiny_sd3", overrides, quick=True)
     assert passes == [as_trained] and set(velocity_grad) == {as_trained}
     rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
@@ -189,7 +189,7 @@ def test_the_log_prob_rows_compare_with_the_pass_the_run_takes_its_old_log_probs
 
 
 def test_a_trainer_in_bf16_fails_the_log_prob_check_where_the_run_reuses_them(monkeypatch):
-    monkeypatch.setattr(engine, "evaluate_window", _bf16_transition)
+    monkeypatch.setattr(policies, "evaluate_window", _bf16_transition)
     report = check("tiny_sd3", [], quick=True)
     rows = [r for r in report.rows if r.check.startswith("log-probs = trainer")]
     assert rows and all(r.verdict == FAIL for r in rows), report.table()
