@@ -89,7 +89,7 @@ def choose_strategy(
     what each does). `weight_bytes`: the pipeline's parameters in the model's dtype;
     `device_bytes`: one device's memory; None where unknown. `param_offload` (actor.param_offload)
     is FSDP2's CPU offload, so it makes any number of workers shard: one worker runs FSDP2 on a
-    one-rank group of its own (diffrl.train.parallel.join_one_rank_group)."""
+    one-rank group of its own (diffrl.train.distributed.join_one_rank_group)."""
     if requested not in STRATEGIES:
         raise ValueError(f"actor.strategy={requested!r} is not one of {', '.join(STRATEGIES)}")
     if requested != "auto":

@@ -113,6 +113,25 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
     return device
 
 
+def join_one_rank_group(device: torch.device) -> None:
+    """Form a process group of this process alone, for FSDP2 on one worker (a one-rank mesh).
+
+    A one-worker run forms no group of workers, but FSDP2's `fully_shard` needs one: its units
+    all-gather and reduce-scatter over the mesh, which on one rank copy the whole parameters and
+    gradients through the same code as on several, so `actor.param_offload` (FSDP2's
+    `CPUOffloadPolicy`) keeps the parameters in host memory between uses as it does with two
+    ranks. The group's store is its own (`HashStore`: no port, no rendezvous); NCCL on a GPU,
+    gloo on the CPU. A no-op inside a group (a process of a WorkerGroup has joined its own)."""
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
 def shutdown_distributed() -> None:
     """Leave the default process group (a no-op outside one); call it at the end of a worker."""
     if is_distributed():
@@ -179,6 +198,7 @@ __all__ = [
     "device_for_rank",
     "init_distributed",
     "is_distributed",
+    "join_one_rank_group",
     "rank",
     "shutdown_distributed",
     "world_size",

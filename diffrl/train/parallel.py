@@ -41,6 +41,7 @@ import torch.distributed as dist
 from diffrl.config.plan import REPLICATE_MAX_WEIGHT_SHARE, STRATEGIES, StrategyChoice, choose_strategy
 from diffrl.files import read_json_file
 from diffrl.models.base import MODEL_DIR_FIX
+from diffrl.train.distributed import join_one_rank_group
 
 #: Gradients are averaged in flat buckets of at most this many elements (1 GiB of fp32 gradients):
 #: one collective per bucket instead of one per tensor, and a bounded extra buffer for full models.
@@ -119,25 +120,6 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
-def join_one_rank_group(device: torch.device) -> None:
-    """Form a process group of this process alone, for FSDP2 on one worker (a one-rank mesh).
-
-    A one-worker run forms no group of workers, but FSDP2's `fully_shard` needs one: its units
-    all-gather and reduce-scatter over the mesh, which on one rank copy the whole parameters and
-    gradients through the same code as on several, so `actor.param_offload` (FSDP2's
-    `CPUOffloadPolicy`) keeps the parameters in host memory between uses as it does with two
-    ranks. The group's store is its own (`HashStore`: no port, no rendezvous); NCCL on a GPU,
-    gloo on the CPU. A no-op inside a group (a process of a WorkerGroup has joined its own)."""
-    if dist.is_initialized():
-        return
-    kwargs = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-
-
 @dataclass(frozen=True)
 class Parallel:
     """How a `TrainEngine`'s transformer is shared (`prepare`): replicated (gradients averaged by
@@ -189,7 +171,6 @@ __all__ = [
     "average_gradients",
     "choose_strategy",
     "device_memory_bytes",
-    "join_one_rank_group",
     "pipeline_weight_bytes",
     "prepare",
 ]

@@ -1,7 +1,7 @@
 """FSDP2 on one worker: `actor.strategy=fsdp2` and `actor.param_offload=true` with no process group.
 
 An engine built to shard outside a group joins a one-rank group of its own
-(diffrl.train.parallel.join_one_rank_group) and shards its transformer over it, with FSDP2's
+(diffrl.train.distributed.join_one_rank_group) and shards its transformer over it, with FSDP2's
 `CPUOffloadPolicy` under param_offload: its parameters, gradients and AdamW state are DTensors
 in host memory. It must train as the unsharded engine does: the same losses and grad norms (to
 float round-off, the tolerance of the 2-rank FSDP2 tests), LoRA and full fine-tuning, through
