@@ -11,9 +11,11 @@ The calling machinery, each module importing only from those above it:
 - `ray_group`: `RayGroup` (one Ray actor per worker, wired for torch.distributed) and
   `ensure_ray`.
 
-Worker roles (actor, rollout, reference, hybrid) are plain classes in `roles`; weight sync from
-trainer ranks to rollout replicas is `weight_sync`, a step's trajectories on the trainer ranks
-`staging`, the thread plan `threads`.
+Worker roles (actor, rollout, hybrid) are plain classes in `roles` and `rollout_worker`, each
+composed of parts the controller addresses as `"part.method"`: `staging` (a step's trajectories
+on the trainer ranks and the passes over them), `weight_source` (the trainer's side of a weight
+sync), `checkpointing`, `reporting`. Weight sync from trainer ranks to rollout replicas is
+`weight_sync`, the thread plan `threads`.
 """
 
 from diffrl.workers.errors import WorkerError, WorkerIdentity
