@@ -158,6 +158,8 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
         f"trainer.run_name={name}-{layout_name(trainer, replicas)}",
         *args.set,
     ]
+    if args.sampler_own_batch:
+        sample_at_own_batch()
     start = time.perf_counter()
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
@@ -167,6 +169,24 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
         summary["profile"] = profile_summary(run_dir, total)
         summary["kernel_share"] = kernel_share(summary)
     return {**summary, "gpus": gpus, "replicas": replicas, "strategy": strategy, "wall_s": wall}
+
+
+def sample_at_own_batch() -> None:
+    """Rule (b) of the old-log-prob comparison: the sampler computes its window steps at its own
+    micro-batch through its no-grad graph (as it does when the log-probs are recomputed), while the
+    trainer still takes them as its old log-probs (run with --set algorithm.old_log_probs=rollout).
+    The ratio then starts off 1 by the kernels' rounding: `ratio_std` and `clipfrac` show by how
+    much. A measurement of the alternative, not a mode diffrl offers: it patches this process's
+    sampler (one GPU runs its worker in-process)."""
+    from diffrl.rollout.sampler import TrajectorySampler
+
+    init = TrajectorySampler.__init__
+
+    def own_batch_init(self, *a, **kw):
+        init(self, *a, **kw)
+        self.log_probs_reused = False  # no trainer-sized slices, no training graph
+
+    TrajectorySampler.__init__ = own_batch_init
 
 
 # The worker calls each trainer phase is made of (diffrl.workers.roles), for `kernel_share`.
@@ -215,6 +235,13 @@ def main() -> None:
         "directory, the trainer's per-call summary in the JSON, the step left out of the averages",
     )
     parser.add_argument("--verbose", action="store_true", help="the libraries' own logs and progress bars")
+    parser.add_argument(
+        "--sampler-own-batch",
+        action="store_true",
+        help="sample the window at the rollout micro-batch without the training graph while the "
+        "trainer reuses those log-probs (pair with --set algorithm.old_log_probs=rollout): the "
+        "ratio's mismatch is in ratio_std and clipfrac",
+    )
     args = parser.parse_args()
     from diffrl.telemetry.console import configure
 
@@ -279,6 +306,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out.append("--verbose")
     if args.profile:
         out.append("--profile")
+    if args.sampler_own_batch:
+        out.append("--sampler-own-batch")
     return out + (["--set", *args.set] if args.set else [])
 
 

@@ -53,6 +53,10 @@ def summarise_run(run_dir: Path, warmup: int, measured_steps: int | None = None)
         # a policy-gradient loss is ~0 at ratio 1 (group-normalised advantages): the first step's
         # gradient norm is what compares two layouts of the same batch (sequence parallel vs one GPU)
         "grad_norm": [r.get("actor/grad_norm") for r in records],
+        # with one optimizer step per step every ratio is taken before the update: ratio_std and
+        # clipfrac then measure how far the old log-probs are from the trainer's own (0 when exact)
+        "ratio_std": [r.get("actor/ratio_std") for r in records],
+        "clipfrac": [r.get("actor/clipfrac") for r in records],
     }
 
 
