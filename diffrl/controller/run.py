@@ -267,6 +267,7 @@ def job(cfg: Config, source: str | None, *, rl: bool = False, plan: RunPlan | No
                 total_steps=cfg.trainer.total_steps,
                 config=config_dict,
                 run_name=folder.name,
+                wandb_project=cfg.trainer.project_name,
             )
         )
         folder.recorded = lambda: logger.last_step is not None  # a failure keeps a run that logged a step

@@ -69,7 +69,7 @@ class RunLogger:
     total_steps: for the console's `step s/total` and ETA.
     config: the resolved config as plain containers (TensorBoard text, wandb config).
     run_name: shown on the console and used as the wandb run name.
-    wandb_project: wandb project; None = $WANDB_PROJECT or "diffrl".
+    wandb_project: wandb project (trainer.project_name); None = $WANDB_PROJECT or "diffrl".
 
     The first step this logger writes starts a new history: an earlier attempt's records of steps
     >= it are dropped from metrics.jsonl and hidden in TensorBoard (a run resumed from step k's

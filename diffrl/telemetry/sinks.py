@@ -353,7 +353,8 @@ def import_wandb():
 class WandbSink:
     """A Weights & Biases run: the config, scalars and images.
 
-    Mode, entity, API key etc. come from wandb's own environment variables (`WANDB_MODE=offline`
+    The project is `project` (trainer.project_name), else $WANDB_PROJECT, else "diffrl". Mode,
+    entity, API key etc. come from wandb's own environment variables (`WANDB_MODE=offline`
     logs with no network; `wandb sync run_dir/wandb/offline-run-*` uploads later). The run id is kept
     in `run_dir/wandb_run_id`, so a resumed diffrl run continues the same wandb run; wandb itself
     drops records of steps lower than ones it already has, so after a resume from an earlier

@@ -254,3 +254,32 @@ def test_wandb_offline(tmp_path, monkeypatch):
         run_id = logger.sinks[0].run.id
     assert (tmp_path / "wandb_run_id").read_text().strip() == run_id
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+def test_the_wandb_project_comes_from_trainer_project_name_else_the_environment(tmp_path, monkeypatch):
+    """Issue 52, re-walk 11: the project could be set only by $WANDB_PROJECT. A stand-in for the
+    wandb module records what `wandb.init` is given (the real package is optional)."""
+    import types
+
+    from diffrl.config import load_config
+
+    projects = []
+
+    class Run:
+        def finish(self, exit_code=0):
+            pass
+
+    def init(**kwargs):
+        projects.append(kwargs["project"])
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    cfg = load_config("default", ["trainer.project_name=my-project"])
+    for project in (cfg.trainer.project_name, load_config("default").trainer.project_name):
+        RunLogger(
+            tmp_path, ["wandb"], total_steps=1, config=CONFIG, run_name="r", wandb_project=project
+        ).close()
+    monkeypatch.delenv("WANDB_PROJECT")
+    RunLogger(tmp_path, ["wandb"], total_steps=1, config=CONFIG, run_name="r").close()
+    assert projects == ["my-project", "from-env", "diffrl"]

@@ -29,6 +29,7 @@ class TrainerConfig:
     # the validation metric keep_best maximises; auto = val/accuracy when logged, else val/rewards/mean
     best_metric: str = "auto"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str | None = None  # the wandb project; null = $WANDB_PROJECT, else "diffrl"
     n_gpus_per_node: int = 1  # workers per node (CPU workers when there is no GPU)
     nnodes: int = 1
     ray_address: str | None = None  # join this Ray cluster; null = start a local one
