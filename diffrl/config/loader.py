@@ -2,7 +2,7 @@
 
 A preset or file may start from another one with a top-level `base: <preset or path>` key (a
 path relative to the file naming it): the base is merged first, then the file's own keys, so a
-variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: default_20_steps` plus its loss).
+variant states only what differs (e.g. `shapes_grpo_guard.yaml` is `base: shapes_base` plus its loss).
 A file without `base:` starts from the schema's defaults, which name no model: a user's file that
 leaves model.path empty that way is refused at once, saying to add `base: default`.
 

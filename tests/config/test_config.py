@@ -266,21 +266,21 @@ def test_window_must_fit_the_steps():
 
 
 def test_batch_sizes_must_nest():
-    # default_20_steps: 8 prompts × 4 samples = 32 trajectories per step, mini-batch 32, micro 32
+    # shapes_base: 8 prompts × 4 samples = 32 trajectories per step, mini-batch 32, micro 32
     with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=12 is invalid: .*mini_batch_size=32"):
-        load_config("default_20_steps", ["actor.micro_batch_size=12"])
+        load_config("shapes_base", ["actor.micro_batch_size=12"])
     with pytest.raises(
         ConfigError, match=r"actor\.mini_batch_size=12 is invalid: must be a multiple of rollout\.n=8"
     ):
         load_config(
-            "default_20_steps", ["rollout.n=8", "actor.mini_batch_size=12", "actor.micro_batch_size=4"]
+            "shapes_base", ["rollout.n=8", "actor.mini_batch_size=12", "actor.micro_batch_size=4"]
         )
     with pytest.raises(ConfigError, match=r"actor\.mini_batch_size=64 is invalid: must divide .* = 32"):
-        load_config("default_20_steps", ["actor.mini_batch_size=64"])
+        load_config("shapes_base", ["actor.mini_batch_size=64"])
     # micro-batches are per worker: 2 workers × 16 no longer divide a mini-batch of 16
     with pytest.raises(ConfigError, match=r"actor\.micro_batch_size=16 is invalid: × the 2 worker"):
         load_config(
-            "default_20_steps",
+            "shapes_base",
             [
                 "actor.mini_batch_size=16",
                 "actor.micro_batch_size=16",
@@ -292,14 +292,14 @@ def test_batch_sizes_must_nest():
         ConfigError, match=r"actor\.strategy='none' is invalid: must be auto, ddp or fsdp2 with 2 workers"
     ):
         load_config(
-            "default_20_steps",
+            "shapes_base",
             ["actor.micro_batch_size=8", "trainer.n_gpus_per_node=2", "actor.strategy=none"],
         )
     with pytest.raises(
         ConfigError, match=r"data\.prompts_per_step=3 is invalid: must be a multiple of the 2 worker"
     ):
         load_config(
-            "default_20_steps",
+            "shapes_base",
             [
                 "trainer.n_gpus_per_node=2",
                 "actor.strategy=fsdp2",
@@ -309,7 +309,7 @@ def test_batch_sizes_must_nest():
         )
     with pytest.raises(ConfigError, match=r"rollout\.n=1 is invalid: must be >= 2"):
         load_config(
-            "default_20_steps", ["rollout.n=1", "actor.mini_batch_size=4", "actor.micro_batch_size=4"]
+            "shapes_base", ["rollout.n=1", "actor.mini_batch_size=4", "actor.micro_batch_size=4"]
         )
 
 
