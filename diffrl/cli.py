@@ -105,6 +105,13 @@ def _config_first(items: Sequence[str], job: str, default: str | None = None) ->
 
 def cmd_train(args: argparse.Namespace) -> int:
     source, overrides = _config_first(args.items, "train")
+    # the first words within a second: torch, diffusers and Ray take 5-20 s to import, the setup
+    # check seconds to a minute more, before the run's own first line (its directory)
+    print(
+        f"diffrl train {source or 'default'}: starting (libraries, model, setup check) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     from diffrl.controller.run import train
     from diffrl.controller.stopping import Interrupted, stop_signals
     from diffrl.telemetry.health import HealthStop

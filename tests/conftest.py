@@ -1,8 +1,12 @@
 import os
+import tempfile
 
 # Every Ray cluster a test starts stays on loopback: Ray reads this single-machine switch when first
 # imported, which test modules do at collection (diffrl.workers.ensure_ray sets it for `diffrl train`).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Records of passed start-up checks (diffrl.controller.check_cache) never come from outside the
+# session; `_fresh_check_records` gives each test function its own folder on top.
+os.environ["DIFFRL_CHECK_CACHE"] = tempfile.mkdtemp(prefix="diffrl_check_records_")
 
 
 def _pin_xdist_worker() -> None:
@@ -34,6 +38,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_check_records(tmp_path_factory, monkeypatch):
+    """Each test starts with no record of a passed start-up check (diffrl.controller.check_cache):
+    one test's pass must not skip another's check; `diffrl train` subprocesses inherit it."""
+    monkeypatch.setenv("DIFFRL_CHECK_CACHE", str(tmp_path_factory.mktemp("check_records")))
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ first by the run's own preflight: a bad config is a ValueError (exit 2), never a
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -212,13 +213,30 @@ def check_at_start(
     checks a one-worker colocated run as that run will compute. A run over several workers or with
     separate placement holds the model differently (sharded, or on its own replicas) and may not
     fit one device at all: the start-up check says so and leaves it to `diffrl check`, which the
-    user runs where the model fits."""
+    user runs where the model fits. A setup that passed before (the same model files, settings, diffrl
+    source, torch and device: `diffrl.controller.check_cache`) is not checked again."""
     if cfg.world_size > 1 or cfg.trainer.placement != "colocated":
         return (
             f"setup check skipped at start: it runs on one device in this process, and this run "
             f"uses {cfg.world_size} worker(s) with trainer.placement={cfg.trainer.placement}; run "
             "`diffrl check` with this run's arguments before a long run"
         )
+    from diffrl.controller import check_cache
+    from diffrl.models import resolve_model_path
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    key = check_cache.check_key(cfg, resolve_model_path(cfg.model.path), device)
+    if (before := check_cache.passed_before(key)) is not None:
+        return (
+            f"setup check: skipped, it passed with this model and these settings on {before['at']} "
+            f"(diffrl check runs it again; record {check_cache.cache_dir() / key}.json)"
+        )
+    print(
+        "setup check (diffrl check --quick): sampling and re-evaluating a few trajectories on one "
+        "worker, before the run starts (trainer.check_at_start=false skips it) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     report = check_config(cfg, train_records, val_records, quick=True, plan=plan)
     if report.failed:
         print(report.table(), end="", flush=True)
@@ -228,6 +246,7 @@ def check_at_start(
             "fix the setup, or set trainer.check_at_start=false to start anyway"
         )
     passed = sum(1 for r in report.rows if r.verdict == PASS)
+    check_cache.remember_pass(key, passed, report.seconds)
     return (
         f"setup check (diffrl check --quick): {passed} checks passed in {report.seconds:.1f} s "
         "(trainer.check_at_start=false skips it)"
