@@ -35,7 +35,9 @@ from rollout import transformer_config
 
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.train.export import adapter_key_predicate
-from diffrl.workers.weight_sync import WeightSyncGroup, free_address, tensor_specs
+from diffrl.workers.sync_rendezvous import free_address
+from diffrl.workers.weight_specs import tensor_specs
+from diffrl.workers.weight_sync import WeightSyncGroup
 
 # A small SD3 transformer with the same structure (joint and dual-attention blocks) for CPU runs.
 TINY = dict(

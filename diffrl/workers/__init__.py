@@ -15,7 +15,8 @@ Worker roles (actor, rollout, hybrid) are plain classes in `roles` and `rollout_
 composed of parts the controller addresses as `"part.method"`: `staging` (a step's trajectories
 on the trainer ranks and the passes over them), `weight_source` (the trainer's side of a weight
 sync), `checkpointing`, `reporting`. Weight sync from trainer ranks to rollout replicas is
-`weight_sync`, the thread plan `threads`.
+`weight_sync` (the group and its protocol), over `sync_rendezvous` (how the group forms) and
+`weight_specs` (what it streams, described); the thread plan is `threads`.
 """
 
 from diffrl.workers.errors import WorkerError, WorkerIdentity

@@ -35,7 +35,7 @@ class WeightSource:
     def address(self) -> tuple[str, int]:
         """Where rank 0 hosts the weight-sync group's store: a free port on loopback for a local Ray
         cluster (nothing listens beyond this host), on this node's address in a multi-node one."""
-        from diffrl.workers.weight_sync import free_address
+        from diffrl.workers.sync_rendezvous import free_address
 
         return free_address(local=self.cfg.trainer.ray_address is None)
 
@@ -50,7 +50,7 @@ class WeightSource:
 
     def specs(self, full: bool) -> list[Any]:
         """Name, global shape and dtype of what `send(full)` streams (no gathering needed)."""
-        from diffrl.workers.weight_sync import tensor_specs
+        from diffrl.workers.weight_specs import tensor_specs
 
         keep = self._sync_filter(full)
         return tensor_specs((k, t) for k, t in self.engine.transformer.state_dict().items() if keep(k))
@@ -81,7 +81,7 @@ class WeightSource:
         queued before it, while this worker trains on). Collective under FSDP2 like `send`; rank 0
         keeps the copies in host memory and returns their specs, the other ranks []."""
         from diffrl.train.distributed import rank as process_rank
-        from diffrl.workers.weight_sync import tensor_specs
+        from diffrl.workers.weight_specs import tensor_specs
 
         named = self._named(full)
         if process_rank() != 0:

@@ -7,11 +7,12 @@ transport.
 
 Who takes part. A `WeightSyncGroup` has R + 1 ranks: rank 0 is trainer rank 0 (the *source*),
 ranks 1..R are the replicas. It is built on its own `TCPStore` (hosted by rank 0) with a
-`ProcessGroupGloo` or `ProcessGroupNCCL` constructed directly on that store, so it never touches
-the default group and can coexist with FSDP's in the same process. Only trainer rank 0 is in the
-group: on FSDP2 every trainer rank must take part in each parameter's all-gather (`full_tensor()`
-inside `diffrl.train.export.iter_weights`), but after the gather rank 0 holds the full tensor, so
-one sender suffices and the other trainer ranks simply drain the same iterator and drop the result.
+`ProcessGroupGloo` or `ProcessGroupNCCL` constructed directly on that store (both set up by
+`diffrl.workers.sync_rendezvous`), so it never touches the default group and can coexist with
+FSDP's in the same process. Only trainer rank 0 is in the group: on FSDP2 every trainer rank must
+take part in each parameter's all-gather (`full_tensor()` inside `diffrl.train.export.iter_weights`),
+but after the gather rank 0 holds the full tensor, so one sender suffices and the other trainer
+ranks simply drain the same iterator and drop the result.
 
 Protocol of one sync, repeated per bucket and ended by an empty bucket:
 
@@ -28,12 +29,13 @@ consumes the iterator lazily and copies each tensor into the bucket at once.
 
 Why the specs travel with every bucket: the source consumes a one-shot iterator and cannot know
 the whole tensor list up front, while each replica is told the list it expects (`specs`, from the
-controller). Each receiver compares every bucket's spec list with its own expectation *before* that
-bucket's bytes move, and raises a ValueError naming the first tensor that differs (name, shape and
-dtype on both sides); a stream that is too short or too long is caught the same way. Before any
-communication, `receive` also checks that every expected tensor exists in its own parameters with
-the same shape and dtype. The final all-reduce makes `send` return only once every replica has
-unpacked everything, so `SyncStats.seconds` on the source is the end-to-end time.
+controller; `diffrl.workers.weight_specs` holds the spec type, its checks and its JSON form). Each
+receiver compares every bucket's spec list with its own expectation *before* that bucket's bytes
+move, and raises a ValueError naming the first tensor that differs (name, shape and dtype on both
+sides); a stream that is too short or too long is caught the same way. Before any communication,
+`receive` also checks that every expected tensor exists in its own parameters with the same shape
+and dtype. The final all-reduce makes `send` return only once every replica has unpacked
+everything, so `SyncStats.seconds` on the source is the end-to-end time.
 
 Deadlines: the store and the process group are both built with `timeout_s`; a peer that never
 joins, dies, or stops midway makes `join`, `send` or `receive` raise within about that time (gloo
@@ -50,8 +52,6 @@ on one device).
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,101 +60,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from diffrl.workers.sync_rendezvous import (
+    _STORE_PREFIX,
+    _cuda_device,
+    _first_line,
+    _listen_socket,
+    _make_backend,
+)
+from diffrl.workers.weight_specs import TensorSpec, _parse_blob, _spec_blob, check_specs
+
 BACKENDS = ("gloo", "nccl")
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_STORE_PREFIX = "diffrl_weight_sync"
-
-
-# ----------------------------------------------------------------------------------- tensor specs
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(
-            f"unknown dtype {name!r} in a tensor spec: expected a torch dtype name such as 'float32'"
-        )
-    return dtype
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What a receiver must know about one tensor before its bytes arrive (small, JSON-able).
-
-    `dtype` is torch's name without the `torch.` prefix ("float32", "bfloat16"); `torch_dtype`
-    turns it back into the dtype.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, tuple(int(s) for s in tensor.shape), _dtype_name(tensor.dtype))
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _dtype_from_name(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.torch_dtype.itemsize
-
-    def to_json(self) -> list:
-        return [self.name, list(self.shape), self.dtype]
-
-    @classmethod
-    def from_json(cls, item: list) -> TensorSpec:
-        name, shape, dtype = item
-        return cls(str(name), tuple(int(s) for s in shape), str(dtype))
-
-    def describe(self) -> str:
-        return f"shape {list(self.shape)} dtype {self.dtype}"
-
-
-def tensor_specs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    """Specs of (name, tensor) pairs, in order: what the controller hands each replica's `receive`.
-
-    Only metadata is read; on FSDP2 a DTensor's `shape` is already the full (global) shape, so pass
-    the module's `state_dict()` items (not `iter_weights`, which gathers) to avoid moving data.
-    """
-    return [TensorSpec.of(name, tensor) for name, tensor in named_tensors]
-
-
-def check_specs(specs: Sequence[TensorSpec], params: Mapping[str, torch.Tensor]) -> None:
-    """Raise ValueError unless every spec names a tensor of `params` with the same shape and dtype.
-
-    All specs are checked before the error is raised, so one message lists every mismatch (a model
-    built with a different config usually differs in many tensors at once).
-    """
-    problems = []
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name in seen:
-            problems.append(f"{spec.name!r} appears twice in the spec list")
-            continue
-        seen.add(spec.name)
-        target = params.get(spec.name)
-        if target is None:
-            problems.append(f"{spec.name!r} ({spec.describe()}) does not exist in the receiving model")
-            continue
-        have = TensorSpec.of(spec.name, target)
-        if have != spec:
-            problems.append(
-                f"{spec.name!r}: the sender streams {spec.describe()}, the receiver has {have.describe()}"
-            )
-    if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ValueError(
-            f"weight sync: {len(problems)} tensor(s) do not match the receiving model: {shown}. "
-            "Trainer and rollout replicas must build the same model (same config, same LoRA settings)."
-        )
 
 
 # ------------------------------------------------------------------------------------------ stats
@@ -177,44 +92,6 @@ class SyncStats:
             f"{prefix}/seconds": self.seconds,
             f"{prefix}/gb_per_s": rate,
         }
-
-
-# -------------------------------------------------------------------------------------- addresses
-def free_address(*, local: bool = True) -> tuple[str, int]:
-    """(host, port) for a sync group's store, to be passed to every rank's `join`. Call it on the
-    process that will be rank 0.
-
-    `local=True` (one machine) gives the loopback address, so nothing listens beyond this host;
-    `local=False` gives this node's IP as Ray sees it (the replicas are on other nodes). The port
-    is free now; rank 0 binds it in `join`, so call `join` soon after (another process could take
-    it in between, in which case `join` fails with a clear error rather than joining a stranger).
-    """
-    if local:
-        host = "127.0.0.1"
-    else:
-        import ray
-
-        host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return host, int(sock.getsockname()[1])
-
-
-def _listen_socket(host: str, port: int) -> socket.socket:
-    """The store's listening socket, bound to `host` only (torch's TCPStore server would listen on
-    every interface); handed to the store as `master_listen_fd`."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise ValueError(
-            f"weight sync: cannot listen on {host}:{port} ({err}); pick a fresh address with free_address()"
-        ) from None
-    sock.listen(128)
-    return sock
 
 
 # ------------------------------------------------------------------------------------------ group
@@ -525,16 +402,6 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def _spec_blob(specs: Sequence[TensorSpec]) -> torch.Tensor:
-    raw = json.dumps([spec.to_json() for spec in specs], separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def _parse_blob(blob: torch.Tensor) -> list[TensorSpec]:
-    # JSON only: nothing received over the network is unpickled or executed.
-    return [TensorSpec.from_json(item) for item in json.loads(bytes(blob.cpu().tolist()).decode())]
-
-
 def _check_bucket(
     got: list[TensorSpec], expected: Sequence[TensorSpec], position: int, payload: int, count: int
 ) -> None:
@@ -562,33 +429,3 @@ def _broadcast_options() -> dist.BroadcastOptions:
     opts.rootRank = 0
     opts.rootTensor = 0
     return opts
-
-
-def _cuda_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _make_backend(backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, host: str):
-    """The backend object itself (a `ProcessGroupGloo` or `ProcessGroupNCCL`): it has the
-    collectives we need and is registered nowhere, so the default group never sees it."""
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        # On one machine keep gloo's sockets on loopback; across nodes use the interface gloo picks
-        # (GLOO_SOCKET_IFNAME chooses it).
-        if host in _LOOPBACK:
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        else:
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-        return dist.ProcessGroupGloo(store, rank, world_size, opts)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    # Connect now, so a missing peer fails `join` (within the timeout) rather than the first sync.
-    pg.eager_connect_single_device(_cuda_device())
-    return pg
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -19,14 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from diffrl.workers.weight_sync import (
-    SyncStats,
-    TensorSpec,
-    WeightSyncGroup,
-    check_specs,
-    free_address,
-    tensor_specs,
-)
+from diffrl.workers.sync_rendezvous import free_address
+from diffrl.workers.weight_specs import TensorSpec, check_specs, tensor_specs
+from diffrl.workers.weight_sync import SyncStats, WeightSyncGroup
 
 TIMEOUT_S = 4.0
 NEVER_JOINED_TIMEOUT_S = 1.5
