@@ -322,8 +322,8 @@ def _qwen_image_pipeline(transformer, edit: bool = False):
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
-    from diffrl.models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_qwen2_tokenizer
     from diffrl.models.qwen_image_edit import TINY_EDIT_VOCAB_SIZE, ImageOnlyQwen2VLProcessor
+    from diffrl.models.qwen_image_tiny import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_qwen2_tokenizer
 
     # QwenImagePipeline (text-to-image) needs a Qwen2.5-VL text encoder and a Qwen2 tokenizer, no
     # processor (only the edit pipelines take images). The template and its prefix length live on

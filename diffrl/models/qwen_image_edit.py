@@ -43,7 +43,8 @@ from transformers import Qwen2VLProcessor
 
 from diffrl.models.base import PromptEmbeds
 from diffrl.models.conditions import ConditionRule, qwen_edit_dimensions
-from diffrl.models.qwen_image import TEXT_BUCKET, QwenImageAdapter, _pad_text, tiny_pipeline
+from diffrl.models.qwen_image import TEXT_BUCKET, QwenImageAdapter, _pad_text
+from diffrl.models.qwen_image_tiny import tiny_pipeline
 
 #: Pixels of the image the VAE encodes (both pipelines' 1024 * 1024) and, in the Plus pipeline, of
 #: the image the text encoder sees (CONDITION_IMAGE_SIZE, 384 * 384).
@@ -393,7 +394,7 @@ def save_pipeline(pipe, path: Path) -> Path:
 
 def build_tiny(path: Path, seed: int = 0) -> Path:
     """A tiny random `QwenImageEditPipeline` (Qwen-Image's tiny transformer, Qwen2.5-VL text encoder
-    and VAE at half width, `diffrl.models.qwen_image.tiny_pipeline`, plus a processor) written to
+    and VAE at half width, `diffrl.models.qwen_image_tiny.tiny_pipeline`, plus a processor) written to
     `path`."""
     return save_pipeline(
         tiny_pipeline(QwenImageEditPipeline, seed, TINY_EDIT_VOCAB_SIZE, 4, processor=_tiny_processor), path

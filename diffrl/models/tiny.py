@@ -1,9 +1,10 @@
 """Tiny random models of every family, saved as complete diffusers directories, offline.
 
 Tests and CPU demos load them through the same `from_pretrained` path as real checkpoints, so
-the real loading code runs. Each family module defines `build_tiny(path, seed=0) -> Path`, which
-writes a deterministic (from `seed`) pipeline directory: a few-layer transformer, a tiny VAE, tiny
-text encoders and tokenizers built locally. `model.path=tiny:<name>` builds one into the cache
+the real loading code runs. Each family module (or its `_tiny` companion, where the builder is
+large: `qwen_image_tiny`) defines `build_tiny(path, seed=0) -> Path`, which writes a deterministic
+(from `seed`) pipeline directory: a few-layer transformer, a tiny VAE, tiny text encoders and
+tokenizers built locally. `model.path=tiny:<name>` builds one into the cache
 (`diffrl.models.resolve_model_path`): the families below register here, a task's own tiny models
 (the shapes world's) register the same way (`diffrl.config.registries.register_tiny_model`).
 """
@@ -19,7 +20,7 @@ from diffrl.config.registries import TINY_MODELS, register_tiny_model
 FAMILY_BUILDERS: dict[str, str] = {
     "sd3": "diffrl.models.sd3",
     "flux": "diffrl.models.flux",
-    "qwen_image": "diffrl.models.qwen_image",
+    "qwen_image": "diffrl.models.qwen_image_tiny",
     "qwen_image_edit": "diffrl.models.qwen_image_edit",
     "qwen_image_edit_plus": "diffrl.models.qwen_image_edit:build_tiny_plus",
     "flux_kontext": "diffrl.models.flux_kontext",

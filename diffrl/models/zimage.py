@@ -313,10 +313,10 @@ def _pad_rows(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torc
 
 # ---------------------------------------------------------------------------------- tiny builder
 def tiny_qwen3_tokenizer():
-    """A byte-level BPE `Qwen2Tokenizer` built offline (`qwen_image.tiny_qwen2_tokenizer`, trained
+    """A byte-level BPE `Qwen2Tokenizer` built offline (`qwen_image_tiny.tiny_qwen2_tokenizer`, trained
     on Qwen3's chat format) carrying `QWEN3_CHAT_TEMPLATE`: the tokenizer of the tiny Z-Image and
     FLUX.2 [klein] pipelines, whose Qwen3 text encoders read chat-templated prompts."""
-    from diffrl.models.qwen_image import tiny_qwen2_tokenizer
+    from diffrl.models.qwen_image_tiny import tiny_qwen2_tokenizer
 
     # The template's prefix "<|im_start|>user\n" is 3 tokens: <|im_start|>, "user", "\n".
     tokenizer = tiny_qwen2_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", 3)

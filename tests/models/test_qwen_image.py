@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from diffrl.models import load_model
 from diffrl.models.base import to_uint8
-from diffrl.models.qwen_image import TEXT_BUCKET, QwenImageAdapter, build_tiny
+from diffrl.models.qwen_image import TEXT_BUCKET, QwenImageAdapter
+from diffrl.models.qwen_image_tiny import build_tiny
 from diffrl.sde import step
 
 HEIGHT = WIDTH = 64
