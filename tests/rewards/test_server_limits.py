@@ -20,7 +20,8 @@ from PIL import Image
 
 from diffrl.rewards import build_reward
 from diffrl.rewards.remote import ScorerAnswered
-from diffrl.rewards.server import PROTOCOL_VERSION, ServerLimits, start_reward_server
+from diffrl.rewards.server import ServerLimits, start_reward_server
+from diffrl.rewards.server_handler import PROTOCOL_VERSION
 from diffrl.rewards.wire import PROTOCOL_VERSION as CLIENT_PROTOCOL
 from diffrl.rewards.wire import encode_request
 
