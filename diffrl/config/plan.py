@@ -210,6 +210,27 @@ def attention_backend(setting: str, accelerator: str, gpu_backend: str | None) -
     return "native"
 
 
+def check_attention_backend(backend: str) -> None:
+    """A ConfigError when diffusers cannot run attention backend `backend` here (its package is
+    missing or too old: flash-attn, sage, kernels), found before any model loads rather than as a
+    traceback from the first forward. diffusers' own requirement check decides; torch's default
+    (`native` and the `_native_*` variants) needs nothing."""
+    if backend == "native" or backend.startswith("_native"):
+        return
+    from diffusers.models import attention_dispatch
+
+    check = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
+    if check is None:  # a diffusers without the check: its first forward will say
+        return
+    try:
+        check(attention_dispatch.AttentionBackendName(backend))
+    except RuntimeError as err:
+        raise ConfigError(
+            f"model.attn_backend={backend!r} cannot run on this machine: {err} Or set "
+            "model.attn_backend=auto (torch's own attention, or the family's tested GPU backend)"
+        ) from None
+
+
 def weight_sync_backend(cfg: Any, accelerator: str) -> str:
     """`rollout.weight_sync.backend`, `auto` resolved: NCCL needs every member on its own GPU, so
     replicas that share a GPU with the trainer (a GPU share below 1) or CPU workers use gloo."""
@@ -341,6 +362,7 @@ def resolve_plan(cfg: Any, machine: Machine | None = None, *, job: str = "train"
         offload=offload,
         weight_sync_backend=weight_sync_backend(cfg, machine.accelerator) if separate else None,
     )
+    check_attention_backend(plan.attn_backend)
     if rl:
         check_plan(cfg, plan)
     return plan
@@ -394,6 +416,7 @@ __all__ = [
     "RunPlan",
     "StrategyChoice",
     "attention_backend",
+    "check_attention_backend",
     "choose_strategy",
     "old_log_probs_source",
     "replica_passes",

@@ -117,6 +117,23 @@ def test_attention_compile_and_offload():
     assert plan.compile and plan.offload == ("optimizer", "activation")
 
 
+def test_an_attention_backend_this_machine_cannot_run_is_refused_before_any_model_loads(monkeypatch):
+    """Issue 51, probe 4: model.attn_backend=flash without flash-attn passed the config and failed
+    in the first forward with a traceback. diffusers' own requirement check decides, here with its
+    package-found flags set both ways."""
+    from diffusers.models import attention_dispatch
+
+    for flag, backend in [("_CAN_USE_FLASH_ATTN", "flash"), ("_CAN_USE_SAGE_ATTN", "sage")]:
+        monkeypatch.setattr(attention_dispatch, flag, False)
+        with pytest.raises(
+            ConfigError, match=rf"model.attn_backend='{backend}' cannot run on this machine: .*auto"
+        ):
+            plan_of("tiny_sd3", [f"model.attn_backend={backend}"])
+        monkeypatch.setattr(attention_dispatch, flag, True)
+        assert plan_of("tiny_sd3", [f"model.attn_backend={backend}"]).attn_backend == backend
+    assert plan_of("tiny_sd3", ["model.attn_backend=_native_math"]).attn_backend == "_native_math"
+
+
 def test_supervised_and_eval_jobs_plan_no_passes():
     sft = plan_of("shapes_sft", job="sft")
     assert (sft.job, sft.strategy, sft.old_log_probs, sft.reference, sft.staleness) == (
