@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from diffrl.config import load_config
-from diffrl.telemetry.report import line_plot
+from diffrl.telemetry.plots import line_plot
 from diffrl.telemetry.sinks import read_metrics
 
 SPLITS = ("train", "heldout")

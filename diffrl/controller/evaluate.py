@@ -32,16 +32,15 @@ from diffrl.controller.preflight import preflight_common
 from diffrl.controller.run import worker_session
 from diffrl.controller.validation import run_validation
 from diffrl.files import check_output_dir
+from diffrl.telemetry.plots import side_by_side
 from diffrl.telemetry.report import (
     HEADLINE,
     category_table,
     format_table,
     is_source_accuracy,
-    read_samples,
-    side_by_side,
     validation_metrics,
-    verdict_label,
 )
+from diffrl.telemetry.validation_samples import read_samples, verdict_label
 from diffrl.train.checkpoint import latest_checkpoint, verify_checkpoint
 
 

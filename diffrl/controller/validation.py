@@ -24,7 +24,8 @@ from diffrl.controller.sharding import prompt_shard
 from diffrl.data import PromptRecord
 from diffrl.telemetry import save_png
 from diffrl.telemetry.console import progress
-from diffrl.telemetry.report import add_accuracy, validation_grid, validation_samples, validation_videos
+from diffrl.telemetry.report import add_accuracy
+from diffrl.telemetry.validation_samples import validation_grid, validation_samples, validation_videos
 from diffrl.transition import Rollout, concat_rollouts
 from diffrl.workers.group import WorkerGroup
 from diffrl.workers.reward_workers import gather as gather_rewards

@@ -10,31 +10,30 @@ works for any finished or interrupted run, and writes:
   validation reward, `val/accuracy` and each category's held-out accuracy at the validation steps;
 - `before_after.png`: the first and the last validation grid side by side; validation uses fixed
   seeds, so each tile pair is the same prompt from the same noise, before and after training. Each
-  grid (`validation_grid`) has one row per category, each tile captioned with its prompt and,
-  under it, the verifier's verdict (pass / fail); each grid's label says how many of all its
-  validation's samples passed (`verdict_label`);
+  grid (`diffrl.telemetry.validation_samples.validation_grid`) has one row per category, each tile
+  captioned with its prompt and, under it, the verifier's verdict (pass / fail); each grid's label
+  says how many of all its validation's samples passed (`verdict_label`);
 
-and returns a few lines of text for the console. The curve is drawn with Pillow (a line plot
-needs no plotting library).
+and returns a few lines of text for the console. The pictures are drawn with Pillow
+(`diffrl.telemetry.plots`: a line plot needs no plotting library).
 
 A video model's validations also write every sample as a GIF with an HTML page that plays them
-(`validation_videos`, `validation/step_XXXXXX/index.html`); the summary names the last one.
+(`validation_samples.validation_videos`, `validation/step_XXXXXX/index.html`); the summary names
+the last one.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageDraw, ImageFont
-
-from diffrl.files import atomic_file, atomic_write_text
+from diffrl.files import atomic_write_text
+from diffrl.telemetry.plots import line_plot, side_by_side
 from diffrl.telemetry.sinks import format_value, read_metrics
+from diffrl.telemetry.validation_samples import read_samples, verdict_label
 
 TRAIN_REWARD = "rewards/mean"
 #: Line colours of the per-category held-out accuracies in reward_curve.png.
@@ -75,157 +74,6 @@ def validation_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 def _change(before: float, after: float, same: bool) -> str:
     return f"{after:.2f}" if same else f"{before:.2f}→{after:.2f}"
-
-
-# ------------------------------------------------------------------------------ validation samples
-#: Tiles per row of a validation grid: one row per data source (category), its first samples.
-GRID_COLUMNS = 8
-#: Tiles smaller than this (pixels) are enlarged by an integer factor so their captions fit.
-GRID_MIN_TILE = 96
-
-
-def validation_samples(
-    prompts: Sequence[str], sources: Sequence[str], total_B: Any, extras: Mapping[str, Any]
-) -> list[dict[str, Any]]:
-    """One row per validation sample: its index, prompt, data source, total reward and, when a
-    reward reports a per-sample `accuracy` extra (the shapes verifier), `correct`: its verdict."""
-    accuracy = next((v for k, v in extras.items() if k.endswith("/accuracy") and v.ndim == 1), None)
-    rows = []
-    for i, (prompt, source) in enumerate(zip(prompts, sources, strict=True)):
-        row: dict[str, Any] = {"index": i, "prompt": prompt, "data_source": source}
-        row["reward"] = float(total_B[i])
-        if accuracy is not None and math.isfinite(float(accuracy[i])):
-            row["correct"] = bool(float(accuracy[i]) >= 0.5)
-        rows.append(row)
-    return rows
-
-
-def verdict_label(label: str, samples_path: Path) -> str:
-    """`label`, and when the validation's sample rows there carry verdicts, how many passed:
-    "step 20: 25/48 pass" (the whole validation, not only the tiles its grid shows)."""
-    rows = read_samples(samples_path) if samples_path.is_file() else []
-    if not rows or any("correct" not in row for row in rows):
-        return label
-    return f"{label}: {sum(bool(row['correct']) for row in rows)}/{len(rows)} pass"
-
-
-def sample_caption(row: Mapping[str, Any]) -> str:
-    """The prompt, and under it the verdict (`pass` / `fail`), or the reward without a verdict."""
-    if "correct" in row:
-        return f"{row['prompt']}\n{'pass' if row['correct'] else 'fail'}"
-    return f"{row['prompt']}\nreward {row['reward']:.2f}"
-
-
-def grid_layout(rows: Sequence[Mapping[str, Any]], columns: int = GRID_COLUMNS) -> list[int | None]:
-    """Which sample fills each tile: one grid row per data source (in order of appearance), its
-    first `columns` samples, distinct prompts before repeats; None = a blank tile."""
-    seen: dict[str, int] = {}
-    by_source: dict[str, list[tuple[int, int]]] = {}
-    for row in rows:
-        repeat = seen.get(row["prompt"], 0)
-        seen[row["prompt"]] = repeat + 1
-        by_source.setdefault(row["data_source"], []).append((repeat, row["index"]))
-    if len(by_source) == 1:
-        return [index for _, index in by_source.popitem()[1]][: columns * columns]
-    layout: list[int | None] = []
-    for samples in by_source.values():
-        picked = [index for _, index in sorted(samples)[:columns]]
-        layout.extend(picked + [None] * (columns - len(picked)))
-    return layout
-
-
-def validation_grid(
-    pixels: Any,
-    rows: Sequence[Mapping[str, Any]],
-    samples_path: Path | None = None,
-    conditions: Any = None,
-):
-    """The captioned grid of a validation (`grid_layout`, each tile with `sample_caption`); writes
-    `rows` to `samples_path` (JSON lines) first when given, for the report's per-category table.
-    `conditions` (image-edit models): uint8 [B, 3, H, W], each sample's condition image at the
-    sample's size; each tile then shows it left of the result, a 2-pixel grey bar between them."""
-    import numpy as np
-    import torch
-
-    from diffrl.telemetry.images import image_grid
-
-    if samples_path is not None:
-        samples_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(samples_path, "".join(json.dumps(row) + "\n" for row in rows))
-    images = pixels.detach().cpu().numpy() if isinstance(pixels, torch.Tensor) else np.asarray(pixels)
-    scale = max(1, -(-GRID_MIN_TILE // max(images.shape[-2:])))
-    if conditions is not None and images.ndim == 4:
-        sources = conditions.numpy() if isinstance(conditions, torch.Tensor) else np.asarray(conditions)
-        if sources.shape != images.shape:
-            raise ValueError(
-                f"validation_grid: conditions {sources.shape} must have the samples' shape {images.shape}"
-            )
-        bar = np.full((*images.shape[:3], 2), 160, dtype=images.dtype)
-        images = np.concatenate([sources, bar, images], axis=3)
-    layout = grid_layout(rows)
-    blank = np.full_like(images[0], 255)
-    tiles = np.stack([images[i] if i is not None else blank for i in layout])
-    captions = [sample_caption(rows[i]) if i is not None else "" for i in layout]
-    return image_grid(
-        tiles,
-        nrow=GRID_COLUMNS,
-        captions=captions,
-        scale=scale,
-        caption_lines=4,
-        font_size=11,
-        pad_value=160,
-    )
-
-
-#: Frames per second of the validation GIFs: Wan2.1's (its pipelines' examples export at 16).
-VIDEO_FPS = 16
-_SLUG_LENGTH = 60
-
-
-def prompt_slug(prompt: str) -> str:
-    """A file-name-safe short form of a prompt: lower-case letters and digits, runs of anything
-    else as one '-', at most 60 characters (the sidecar index keeps the whole prompt)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")
-    return slug[:_SLUG_LENGTH].rstrip("-") or "prompt"
-
-
-def validation_videos(
-    pixels_BT3HW: Any, rows: list[dict[str, Any]], folder: Path, fps: float = VIDEO_FPS
-) -> list[Path]:
-    """Write each validation sample's video to `folder` as `<index>_<prompt slug>.gif`, and
-    `folder/index.html`, a page that plays them all with their prompt and reward. Adds to each row
-    `video`: the GIF's path relative to `folder`'s parent (the validation folder), so the step's
-    JSON lines (`validation_grid(..., samples_path)`, written after this) index the files too.
-    Returns the GIF paths in sample order."""
-    from diffrl.telemetry.images import save_gif
-
-    if len(rows) != len(pixels_BT3HW):
-        raise ValueError(f"got {len(rows)} sample rows for {len(pixels_BT3HW)} videos")
-    folder.mkdir(parents=True, exist_ok=True)
-    paths, figures = [], []
-    for row, video in zip(rows, pixels_BT3HW, strict=True):
-        path = save_gif(folder / f"{row['index']:03d}_{prompt_slug(row['prompt'])}.gif", video, fps)
-        row["video"] = f"{folder.name}/{path.name}"
-        paths.append(path)
-        verdict = f" · {'pass' if row['correct'] else 'fail'}" if "correct" in row else ""
-        figures.append(
-            f'<figure><img src="{html.escape(path.name)}" alt="sample {row["index"]}">'
-            f"<figcaption>{html.escape(row['prompt'])}<br>#{row['index']} · {html.escape(row['data_source'])}"
-            f" · reward {row['reward']:.4f}{verdict}</figcaption></figure>"
-        )
-    title = html.escape(folder.name)
-    page = (
-        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>validation {title}</title>'
-        "<style>body{font-family:sans-serif}figure{display:inline-block;margin:6px;max-width:440px;"
-        "vertical-align:top}img{max-width:100%}</style></head><body>"
-        f"<h1>validation {title}</h1>\n" + "\n".join(figures) + "\n</body></html>\n"
-    )
-    atomic_write_text(folder / "index.html", page)
-    return paths
-
-
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def category_table(before: Sequence[Mapping], after: Sequence[Mapping]) -> dict[str, Any]:
@@ -424,124 +272,13 @@ def skip_if_finished(trainer: Any) -> Path | None:
     return run_dir
 
 
-def side_by_side(images: list[Path], labels: list[str], out: Path) -> Path:
-    """The images next to each other, each with its label above it."""
-    opened = [Image.open(p).convert("RGB") for p in images]
-    font = ImageFont.load_default()
-    label_h, gap = 16, 8
-    width = sum(i.width for i in opened) + gap * (len(opened) + 1)
-    height = max(i.height for i in opened) + label_h + 2 * gap
-    canvas = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(canvas)
-    x = gap
-    for image, label in zip(opened, labels, strict=True):
-        draw.text((x, gap // 2), label, fill="black", font=font)
-        canvas.paste(image, (x, gap + label_h))
-        x += image.width + gap
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out) as tmp:
-        canvas.save(tmp)
-    return out
-
-
-def nice_ticks(lo: float, hi: float, count: int = 5, *, integer: bool = False) -> list[float]:
-    """Round tick values, 1, 2, 2.5 or 5 times a power of ten apart, from at or below `lo` to at or
-    above `hi`, about `count` of them (an axis then reads 0, 0.25, 0.5, ... rather than 0.0469,
-    0.211, ...). `integer`: whole-number steps only (training steps). A flat range gets one unit
-    around it."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo or count < 2:
-        raise ValueError(f"nice_ticks needs finite lo <= hi and count >= 2, got {lo}, {hi}, {count}")
-    if hi == lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    power = math.floor(math.log10((hi - lo) / (count - 1)))
-    multiples = (1, 2, 5) if integer else (1, 2, 2.5, 5)
-    steps = sorted(m * 10.0**p for p in range(power - 1, power + 2) for m in multiples)
-    if integer:
-        steps = [step for step in steps if step >= 1 and step == round(step)] or [1.0]
-    for step in steps:  # the finest step that needs at most count + 1 ticks
-        first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-        if last - first + 1 <= count + 1:
-            break
-    # round away float noise (0.30000000000000004) so labels print as the round numbers they are
-    return [round(i * step, 10) for i in range(first, last + 1)]
-
-
-def line_plot(
-    series: Sequence[tuple],
-    out: Path,
-    *,
-    title: str = "",
-    size: tuple[int, int] = (800, 420),
-) -> Path:
-    """A line plot of `(label, {step: value}, rgb[, line width[, connect]])` series sharing one x
-    (step) and one y axis; the legend is a column right of the plot. A series with connect=False
-    is drawn as points only."""
-    series = [(*entry, 2, True)[:5] if len(entry) == 3 else (*entry, True)[:5] for entry in series]
-    width, height = size
-    font = ImageFont.load_default()
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    legend_w = max((measure.textlength(entry[0], font=font) for entry in series), default=0)
-    left, right, top, bottom = 60, int(legend_w) + 40, 30, 50
-    points = [(s, v) for _, data, _, _, _ in series for s, v in data.items() if math.isfinite(v)]
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    draw.text((left, 8), title, fill="black", font=font)
-    if not points:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(out) as tmp:
-            image.save(tmp)
-        return out
-    x_ticks = nice_ticks(min(p[0] for p in points), max(p[0] for p in points), integer=True)
-    y_ticks = nice_ticks(min(p[1] for p in points), max(p[1] for p in points))
-    (x_lo, x_hi), (y_lo, y_hi) = (x_ticks[0], x_ticks[-1]), (y_ticks[0], y_ticks[-1])
-
-    def xy(step: float, value: float) -> tuple[float, float]:
-        return (
-            left + (step - x_lo) / (x_hi - x_lo) * (width - left - right),
-            top + (y_hi - value) / (y_hi - y_lo) * (height - top - bottom),
-        )
-
-    for value in y_ticks:
-        y = xy(x_lo, value)[1]
-        draw.line([left, y, width - right, y], fill=(225, 225, 225))  # grid: read values across
-        draw.line([left - 4, y, left, y], fill="black")
-        draw.text((4, y - 6), f"{value:g}", fill="black", font=font)
-    for step in x_ticks:
-        x = xy(step, y_lo)[0]
-        draw.line([x, height - bottom, x, height - bottom + 4], fill="black")
-        draw.text((x - 10, height - bottom + 6), f"{step:g}", fill="black", font=font)
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    draw.text((width // 2 - 10, height - 18), "step", fill="black", font=font)
-    legend_x, legend_y = width - right + 12, top
-    for label, data, color, line_width, connect in series:
-        coords = [xy(s, v) for s, v in sorted(data.items()) if math.isfinite(v)]
-        if connect and len(coords) > 1:
-            draw.line(coords, fill=color, width=line_width)
-        for cx, cy in coords if len(coords) < 40 or not connect else []:
-            draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=color)
-        draw.line([legend_x - 10, legend_y + 6, legend_x - 2, legend_y + 6], fill=color, width=line_width)
-        draw.text((legend_x, legend_y), label, fill=color, font=font)
-        legend_y += 14
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out) as tmp:
-        image.save(tmp)
-    return out
-
-
 __all__ = [
     "add_accuracy",
     "category_table",
     "finished_run",
     "format_table",
-    "grid_layout",
-    "line_plot",
-    "nice_ticks",
-    "sample_caption",
-    "side_by_side",
     "skip_if_finished",
     "smooth",
-    "validation_grid",
     "validation_metrics",
-    "validation_samples",
     "write_report",
 ]

@@ -68,7 +68,7 @@ def test_eval_with_base_repeats_the_runs_own_first_and_last_validation_side_by_s
         Image.open(out / "base_vs_trained.png").width
         > Image.open(out / "validation" / "step_000001.png").width
     )
-    from diffrl.telemetry.report import verdict_label
+    from diffrl.telemetry.validation_samples import verdict_label
 
     assert verdict_label("base model", out / "validation" / "step_000000.jsonl") == (
         f"base model: {passed}/{len(base_rows)} pass"

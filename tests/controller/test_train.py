@@ -15,7 +15,7 @@ from diffrl.cli import main
 from diffrl.controller.preflight import BUILTIN_DATA
 from diffrl.controller.run import train
 from diffrl.telemetry import read_metrics as diffrl_read_metrics
-from diffrl.telemetry.report import GRID_MIN_TILE
+from diffrl.telemetry.validation_samples import GRID_MIN_TILE
 
 SMALL = ["trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
 NOT_COMPARABLE = ("timing", "throughput", "perf/", "time")

@@ -17,7 +17,7 @@ from diffrl.rewards import build_reward
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.telemetry import read_metrics
 from diffrl.telemetry.images import save_gif
-from diffrl.telemetry.report import prompt_slug, validation_videos
+from diffrl.telemetry.validation_samples import prompt_slug, validation_videos
 
 
 def gif_frames(path) -> np.ndarray:

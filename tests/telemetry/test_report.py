@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffrl.telemetry.report import finished_run, nice_ticks, smooth, validation_metrics, write_report
+from diffrl.telemetry.plots import nice_ticks
+from diffrl.telemetry.report import finished_run, smooth, validation_metrics, write_report
 
 
 def test_validation_accuracy_is_the_mean_over_categories():
@@ -106,7 +107,7 @@ def _shapes_validation(seed: int, wrong: set[int]):
 
 
 def test_sample_rows_and_captions_carry_the_verifiers_verdict():
-    from diffrl.telemetry.report import grid_layout, sample_caption, validation_samples
+    from diffrl.telemetry.validation_samples import grid_layout, sample_caption, validation_samples
 
     prompts, sources, _, scores, verdicts = _shapes_validation(0, wrong={1, 2, 5})
     assert verdicts == [True, False, False, True, True, False]  # the renderer and verifier agree
@@ -123,7 +124,7 @@ def test_sample_rows_and_captions_carry_the_verifiers_verdict():
 
 
 def test_validation_grid_draws_each_caption_under_its_enlarged_tile(tmp_path):
-    from diffrl.telemetry.report import validation_grid, validation_samples
+    from diffrl.telemetry.validation_samples import validation_grid, validation_samples
 
     prompts, sources, pixels, scores, _ = _shapes_validation(0, wrong={1, 2, 5})
     rows = validation_samples(prompts, sources, scores.total_B, scores.extras)
@@ -138,7 +139,8 @@ def test_validation_grid_draws_each_caption_under_its_enlarged_tile(tmp_path):
 
 
 def test_category_table_matches_the_verifier(tmp_path):
-    from diffrl.telemetry.report import category_table, validation_samples
+    from diffrl.telemetry.report import category_table
+    from diffrl.telemetry.validation_samples import validation_samples
 
     prompts, sources, _, before_scores, before_v = _shapes_validation(0, wrong={1, 2, 3, 5})
     _, _, _, after_scores, after_v = _shapes_validation(0, wrong={2})
@@ -214,7 +216,7 @@ def test_nice_ticks_refuses_an_empty_or_reversed_range():
 
 
 def test_validation_grid_shows_each_condition_image_left_of_its_result(tmp_path):
-    from diffrl.telemetry.report import validation_grid, validation_samples
+    from diffrl.telemetry.validation_samples import validation_grid, validation_samples
 
     prompts, sources, pixels, scores, _ = _shapes_validation(0, wrong=set())
     rows = validation_samples(prompts, sources, scores.total_B, scores.extras)
