@@ -35,7 +35,9 @@ hashes right under a forged manifest but does not parse fails here). A mismatch 
 split across the ranks. `latest_checkpoint` returns the newest checkpoint that verifies and logs a
 warning for every newer one it skipped. Verification and finding live in
 `diffrl.train.checkpoint_files` (re-exported here); whether the weights fit a model (LoRA settings,
-shapes) in `diffrl.train.checkpoint_fit`.
+shapes) in `diffrl.train.checkpoint_fit`. This module saves; `load_checkpoint` is in
+`diffrl.train.checkpoint_load` (re-exported here), and the state dicts both use, with their DCP
+reads and writes, in `diffrl.train.checkpoint_state`.
 
 Crash safety: a save writes into `<root>/.tmp-step_<step>/` and rank 0 renames it to
 `step_<step>/` only after every rank has finished and the manifest and `complete` marker are on
@@ -46,32 +48,21 @@ leftover temporary directories. Old checkpoints beyond `keep_last` are removed a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from diffrl.files import named_os_error, naming
+from diffrl.files import naming
 from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers import them from here)
     _FIX,
     COMPLETE_MARKER,
@@ -90,27 +81,18 @@ from diffrl.train.checkpoint_files import (  # noqa: F401  (re-exported: callers
     step_dir,
     verify_checkpoint,
 )
-from diffrl.train.checkpoint_fit import check_model_matches, lora_summary
-from diffrl.train.distributed import all_reduce_mean, is_distributed, world_size
+from diffrl.train.checkpoint_fit import lora_summary
+from diffrl.train.checkpoint_load import load_checkpoint  # noqa: F401  (re-exported, as above)
+from diffrl.train.checkpoint_state import _model_state, _save_tensors, _split_optimizer_state
+from diffrl.train.distributed import all_reduce_mean, world_size
 from diffrl.train.distributed import rank as process_rank
-from diffrl.train.export import adapter_key_predicate, lora_adapter_names
-from diffrl.train.rng_state import capture_rng_state, restore_rng_state
+from diffrl.train.rng_state import capture_rng_state
 
 log = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 _PARTS_DIR = ".manifest-parts"
-
-
-# ---------------------------------------------------------------------------------- process group
-@contextlib.contextmanager
-def _single_process_quiet():
-    """Without a process group DCP warns that it assumes a single process, which is the intent here."""
-    with warnings.catch_warnings():
-        if not is_distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def _write_durable(path: Path, data: bytes) -> None:
@@ -135,74 +117,6 @@ def _json_bytes(value: Any, what: str, fix: str) -> bytes:
         return json.dumps(value, indent=2, sort_keys=True, allow_nan=True).encode()
     except (TypeError, ValueError) as err:
         raise ValueError(f"{what} must be JSON-able (numbers, strings, lists, dicts): {err}; {fix}") from err
-
-
-# ---------------------------------------------------------------------------------- state dicts
-def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
-    """The model's DCP state dict: every adapter weight (LoRA), or everything (full fine-tuning).
-
-    "trainable_only" means the part training changes: all named adapters, including frozen copies
-    such as `old` (their values come from training too), never the frozen base weights. Filtering
-    keys (rather than `ignore_frozen_params`) is what keeps the frozen adapters in. The tensors are
-    the module's own (DTensor shards under FSDP2), not copies.
-    """
-    state = get_model_state_dict(model)
-    if not trainable_only:
-        return state
-    if not lora_adapter_names(model):
-        raise ValueError(
-            f"trainable_only=True saves LoRA adapters, but {type(model).__name__} has none (full fine-tuning, "
-            "model.lora.rank=0): pass trainable_only=False"
-        )
-    is_adapter = adapter_key_predicate(model)
-    return {key: value for key, value in state.items() if is_adapter(key)}
-
-
-def _split_optimizer_state(state: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:
-    """(tensors, description, scalars) of an optimizer state {fqn: {key: tensor or number}}.
-
-    Tensors (moments, Adam's `step`) go to safetensors; numbers and flags stay JSON. The
-    description lists each parameter's tensor keys, so a load asks for exactly those.
-    """
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    description: dict[str, list[str]] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for fqn, values in state.items():
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors.setdefault(fqn, {})[key] = value
-                description.setdefault(fqn, []).append(key)
-            elif value is None or isinstance(value, bool | int | float | str):
-                scalars.setdefault(fqn, {})[key] = value
-            else:
-                raise ValueError(
-                    f"optimizer state {fqn!r}[{key!r}] is a {type(value).__name__}: checkpoints store tensors "
-                    "and numbers only; use an optimizer whose state is tensors and numbers (torch.optim's are)"
-                )
-    return tensors, {fqn: sorted(keys) for fqn, keys in description.items()}, scalars
-
-
-# ---------------------------------------------------------------------------------- save
-def _save_tensors(state: dict[str, Any], directory: Path) -> None:
-    """Every rank writes its own shards of `state` as safetensors (see the module docstring).
-
-    DCP wraps a rank's write error (a full disk) in its CheckpointException, a BaseException that
-    an `except Exception` misses: the first OSError inside is raised as itself (the CLI names a full
-    disk), naming `directory` when it names no file (DCP writes to an open stream), anything else
-    as a RuntimeError carrying DCP's report."""
-    try:
-        with _single_process_quiet():
-            dcp.save(
-                state,
-                storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True),
-                no_dist=not is_distributed(),
-            )
-    except CheckpointException as err:
-        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
-        for cause in causes:
-            if isinstance(cause, OSError):
-                raise named_os_error(cause, directory) or cause from None
-        raise RuntimeError(f"writing the checkpoint's tensors to {directory} failed: {err}") from None
 
 
 def _data_files(directory: Path, skip_dir: str | None = None) -> list[str]:
@@ -399,145 +313,3 @@ def _prune(root: Path, keep_last: int, protect: Path) -> None:
             trash = root / f"{_TRASH_PREFIX}{path.name}"
             path.rename(trash)
             shutil.rmtree(trash)
-
-
-# ---------------------------------------------------------------------------------- load
-def _load_tensors(state: dict[str, Any], directory: Path) -> None:
-    """Fill `state`'s tensors (this rank's shards) in place from a per-rank safetensors directory."""
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_distributed())
-
-
-def _restore_types(saved: Any, live: Any) -> Any:
-    """JSON turns tuples (Adam's betas) into lists: give them back the live optimizer's type."""
-    if isinstance(saved, dict) and isinstance(live, dict):
-        return {key: _restore_types(value, live.get(key)) for key, value in saved.items()}
-    if isinstance(saved, list) and isinstance(live, tuple):
-        return tuple(saved)
-    return saved
-
-
-def _does_not_fit(path: Path, name: str, problem: str) -> None:
-    raise CheckpointError(
-        f"checkpoint {str(path)!r}: {name} does not fit this run's optimizer and scheduler: {problem}. "
-        f"Resume with the actor.optim settings it was saved with; if they are the same, {_FIX}"
-    )
-
-
-def _optimizer_target(
-    path: Path, saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """(this rank's optimizer state tensors to fill, the live state dict) for `saved` (optim.json),
-    or a CheckpointError saying what does not fit; checked before anything is restored."""
-    try:
-        description, _, groups = saved["tensors"], saved["scalars"], saved["param_groups"]
-        live = get_optimizer_state_dict(model, optimizer)  # initialises the state tensors to fill
-        target: dict[str, dict[str, Any]] = {}
-        for fqn, keys in description.items():
-            have = live["state"].get(fqn, {})
-            if not set(keys) <= set(have):
-                raise ValueError(
-                    f"the checkpoint's optimizer state for {fqn!r} has {sorted(keys)}, the optimizer has "
-                    f"{sorted(k for k, v in have.items() if isinstance(v, torch.Tensor))}: resume with the "
-                    "optimizer it was saved with (same actor.optim)"
-                )
-            target[fqn] = {key: have[key] for key in keys}
-        if len(groups) != len(live["param_groups"]):
-            raise ValueError(
-                f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
-                f"{len(live['param_groups'])}: resume with the optimizer it was saved with"
-            )
-        for index, (group, live_group) in enumerate(zip(groups, live["param_groups"], strict=True)):
-            if sorted(group["params"]) != sorted(live_group["params"]):
-                _does_not_fit(path, "optim.json", f"param_groups[{index}].params lists other parameters")
-            problem = fit_problem(group, live_group, f"param_groups[{index}]")
-            if problem:
-                _does_not_fit(path, "optim.json", problem)
-    except (KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"checkpoint {str(path)!r}: optim.json is malformed ({err}); {_FIX}") from err
-    return target, live
-
-
-def _load_optimizer(
-    path: Path,
-    saved: Any,
-    target: dict[str, dict[str, Any]],
-    live: dict[str, Any],
-    model: nn.Module,
-    optimizer,
-) -> None:
-    """Restore `optimizer` from optim.json (`saved`) and its tensors, into `_optimizer_target`'s `target`."""
-    scalars, groups = saved["scalars"], saved["param_groups"]
-    _load_tensors(target, path / OPTIM_DIR)
-    state = {fqn: {**target.get(fqn, {}), **scalars.get(fqn, {})} for fqn in set(target) | set(scalars)}
-    param_groups = [_restore_types(g, lg) for g, lg in zip(groups, live["param_groups"], strict=True)]
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": param_groups})
-
-
-def load_checkpoint(
-    path: str | Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    trainable_only: bool,
-    restore_rng: bool = True,
-) -> dict[str, Any]:
-    """Restore a `save_checkpoint` directory into `model`/`optimizer`/`scheduler` and return its `extra`.
-
-    Call it on every rank, after the model has its adapters (same names, ranks and targets as when
-    saved) and after FSDP sharding, with `trainable_only` as when saved. The checkpoint is first
-    verified against its manifest (`verify_checkpoint`: a damaged, altered or old-format checkpoint
-    raises a CheckpointError, a ValueError, naming the file), then the weights are checked against
-    the saved shapes, so a mismatch raises a ValueError naming what differs and leaves the model
-    untouched. `optimizer=None`/`scheduler=None` skip their state (e.g. loading weights for export).
-    `restore_rng=True` restores this rank's python, numpy, torch and CUDA RNG states (the run's
-    world size must match the saved one).
-    """
-    path = Path(path)
-    meta = verify_checkpoint(path)
-    if meta["trainable_only"] != trainable_only:
-        saved = "LoRA adapters only" if meta["trainable_only"] else "the full model"
-        raise ValueError(
-            f"checkpoint {str(path)!r} holds {saved} (saved with trainable_only={meta['trainable_only']}); "
-            f"pass trainable_only={meta['trainable_only']} and a model configured the same way "
-            "(model.lora.rank > 0 for adapters, 0 for full fine-tuning)"
-        )
-    if scheduler is not None and not meta["has_scheduler"]:
-        raise ValueError(
-            f"checkpoint {str(path)!r} was saved without a scheduler state: pass scheduler=None to load it"
-        )
-    rng_file = path / RNG_DIR / f"rank_{process_rank():05d}.json"
-    if restore_rng and (meta["world_size"] != world_size() or not rng_file.is_file()):
-        raise ValueError(
-            f"checkpoint {str(path)!r} was saved by {meta['world_size']} rank(s) and this run has "
-            f"{world_size()}: RNG states are per rank; resume with the same world size, or pass "
-            "restore_rng=False (weights, optimizer and scheduler still load, resharded to this run); "
-            f"from the command line: resume with trainer.n_gpus_per_node x trainer.nnodes = {meta['world_size']}, "
-            f"or `diffrl export {path}` and start a new run from the exported weights with model.path"
-        )
-
-    model_state = _model_state(model, trainable_only)
-    check_model_matches(path, meta, model, model_state, trainable_only)
-    # Every JSON file is parsed before anything is restored: a malformed one leaves all untouched.
-    extra = _read_json(path, "extra.json")
-    load_optimizer = optimizer is not None and meta["has_optimizer_state"]
-    optim_saved = _read_json(path, "optim.json") if load_optimizer else None
-    scheduler_state = _read_json(path, "scheduler.json") if scheduler is not None else None
-    rng_state = _read_json(path, rng_file.relative_to(path).as_posix()) if restore_rng else None
-    if scheduler is not None and (
-        problem := fit_problem(scheduler_state, scheduler.state_dict(), "its state")
-    ):
-        _does_not_fit(path, "scheduler.json", problem)
-    if load_optimizer:  # its values checked against the live optimizer's, still before any restore
-        optim_target, optim_live = _optimizer_target(path, optim_saved, model, optimizer)
-    _load_tensors(model_state, path / MODEL_DIR)
-    # Not strict for adapters: the frozen base weights are deliberately absent from the state.
-    set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
-    if load_optimizer:
-        _load_optimizer(path, optim_saved, optim_target, optim_live, model, optimizer)
-    if scheduler is not None:
-        scheduler.load_state_dict(scheduler_state)
-    if rng_state is not None:
-        restore_rng_state(rng_state, rng_file)
-    return extra

@@ -12,6 +12,7 @@ from peft import LoraConfig
 from safetensors import safe_open
 
 import diffrl.train.checkpoint as checkpoint
+import diffrl.train.checkpoint_state as checkpoint_state
 from diffrl.models import load_model
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
@@ -214,13 +215,13 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_model, tmp_path, monke
         pass
 
     if fail_in == "dcp_save":
-        real_save = checkpoint.dcp.save
+        real_save = checkpoint_state.dcp.save
 
         def crashing_save(*args, **kwargs):
             real_save(*args, **kwargs)  # the data is written ...
             raise Crash  # ... and the process dies before the marker and the rename
 
-        monkeypatch.setattr(checkpoint.dcp, "save", crashing_save)
+        monkeypatch.setattr(checkpoint_state.dcp, "save", crashing_save)
     else:
         real_replace = checkpoint.os.replace
 
