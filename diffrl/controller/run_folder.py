@@ -52,9 +52,8 @@ def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
             f"({'LoRA' if rank > 0 else 'full fine-tuning'}): use the run's own model.lora settings to "
             "resume it, or start a new run (another trainer.run_name, or trainer.resume=off)"
         )
-    for name, adapter in (meta.get("adapters") or {}).items():
-        if not isinstance(adapter, dict):
-            continue
+    adapters = {name: a for name, a in (meta.get("adapters") or {}).items() if isinstance(a, dict)}
+    for name, adapter in adapters.items():
         for key, field, value in (("r", "rank", rank), ("lora_alpha", "alpha", alpha)):
             saved = adapter.get(key)
             if saved is not None and float(saved) != float(value):
@@ -63,6 +62,30 @@ def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
                     f"but the config has model.lora.{field}={value}: set model.lora.{field}={saved} to resume "
                     "it, or start a new run (another trainer.run_name, or trainer.resume=off)"
                 )
+    saved_targets = {
+        name: a["target_modules"] for name, a in adapters.items() if isinstance(a.get("target_modules"), list)
+    }
+    if rank > 0 and saved_targets:
+        targets = _lora_targets(cfg)
+        for name, saved in saved_targets.items():
+            if sorted(saved) != targets:
+                raise ValueError(
+                    f"checkpoint {str(path)!r} was saved with LoRA on {sorted(saved)} (adapter {name!r}) but "
+                    f"this config adapts {targets} (model.lora.target_modules="
+                    f"{cfg.model.lora.target_modules}): set model.lora.target_modules=[{','.join(sorted(saved))}] "
+                    "to resume it, or start a new run (another trainer.run_name, or trainer.resume=off)"
+                )
+
+
+def _lora_targets(cfg: Config) -> list[str]:
+    """The module names this config's LoRA adapts, as meta.json records them (sorted): the
+    configured list, else the model family's default (diffrl.train.lora.inject_lora)."""
+    if cfg.model.lora.target_modules:
+        return sorted(set(cfg.model.lora.target_modules))
+    from diffrl.models import adapter_class, read_model_index
+
+    family = adapter_class(read_model_index(cfg.model.path)["_class_name"])
+    return sorted(set(family.default_lora_target_modules))
 
 
 def _lock(run_dir: Path) -> int:

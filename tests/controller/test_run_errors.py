@@ -160,6 +160,31 @@ def test_a_failed_resume_leaves_the_run_as_it_was(tmp_path, capsys, finished_run
     assert cfg.model.lora.rank == 4 and checkpoint.name == "step_00000001"
 
 
+def test_a_resume_with_other_lora_target_modules_is_refused_at_start(
+    tmp_path, capsys, finished_run, monkeypatch
+):
+    """Issue 51, probe 5: other model.lora.target_modules failed only inside the worker's load, as a
+    worker traceback after the run had started. The run's own list (the family's default, null in
+    the config) and the same list written out both resume; any other is exit 2 naming both."""
+    run_dir = tmp_path / "done"
+    shutil.copytree(finished_run, run_dir)
+    before = snapshot(run_dir)
+    monkeypatch.setattr(run_module, "worker_session", _no_workers)
+    assert (
+        train(tmp_path, *FAST, "trainer.total_steps=2", "model.lora.target_modules=[to_q,to_k]", name="done")
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "was saved with LoRA on ['attn.add_k_proj'" in err and "this config adapts ['to_k', 'to_q']" in err
+    assert "set model.lora.target_modules=[attn.add_k_proj," in err
+    assert snapshot(run_dir) == before
+    from diffrl.models.sd3 import SD3Adapter
+
+    same = ",".join(reversed(SD3Adapter.default_lora_target_modules))  # the default, in another order
+    with pytest.raises(AssertionError, match="the workers started"):  # accepted: it goes on to start them
+        train(tmp_path, *FAST, "trainer.total_steps=2", f"model.lora.target_modules=[{same}]", name="done")
+
+
 def test_a_run_folder_in_use_is_refused_naming_the_pid(tmp_path, capsys, finished_run, monkeypatch):
     run_dir = tmp_path / "done"
     shutil.copytree(finished_run, run_dir)
