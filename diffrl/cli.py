@@ -165,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from diffrl.train.export import export_run
+    from diffrl.train.export_run import export_run
 
     out = export_run(args.target, args.out, merge=args.merge, device=args.device, best=args.best)
     print(out.describe())
@@ -403,6 +403,19 @@ def _disk_full(error: BaseException) -> tuple[str, str | None] | None:
     return next((item for item in found if item[1] is not None), found[0] if found else None)
 
 
+def _print_worker_failure(command: str, error: BaseException) -> bool:
+    """A worker's failure, in one line, when its whole text (the remote traceback, the worker's
+    last log lines, this process's traceback) is in the run's console.log; whether it printed."""
+    from diffrl.workers.errors import WorkerError
+
+    logged = getattr(error, "logged_to", None)
+    if not isinstance(error, WorkerError) or logged is None or not Path(logged).is_file():
+        return False  # no file kept it (a start that failed before its first record): all of it here
+    summary = str(error).split("\n", 1)[0]
+    print(f"diffrl {command}: {summary} (its traceback and last log lines: {logged})", file=sys.stderr)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -426,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         full = _disk_full(error)
         if full is None:
+            if _print_worker_failure(args.command, error):
+                return 1
             raise
         strerror, filename = full
         # Every write diffrl makes is atomic (temporary file or folder, then a rename), so what was

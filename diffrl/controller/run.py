@@ -44,7 +44,7 @@ from diffrl.controller.run_folder import (
 from diffrl.files import write_json
 from diffrl.telemetry.health import HealthStop
 from diffrl.train.best_checkpoint import best_checkpoint
-from diffrl.train.export import export_final_weights
+from diffrl.train.export_run import export_final_weights
 from diffrl.workers.group import WorkerGroup
 
 

@@ -42,8 +42,8 @@ from diffrl.models.sampling import EXAMPLE_PROMPTS, settings_of_run, write_sampl
 from diffrl.seeding import SFT_STREAM, derive_seed
 from diffrl.telemetry.health import HealthStop
 from diffrl.toy import SHAPES, SHAPES_EDIT
-from diffrl.train.export import publish_by_workers
 from diffrl.train.export_folder import write_manifest
+from diffrl.train.export_run import publish_by_workers
 from diffrl.workers.roles import ImageShard
 
 
