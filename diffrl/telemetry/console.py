@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -215,6 +216,11 @@ class ConsoleLog:
             if self._file is not None:
                 self._file.flush()
 
+    @property
+    def started(self) -> bool:
+        with self._lock:
+            return self._file is not None
+
     def begin(self) -> None:
         """The run has started: append what was printed so far, and from now on everything."""
         with self._lock:
@@ -247,6 +253,13 @@ def console_log(run_dir: Path) -> Iterator[ConsoleLog]:
     _active = log
     try:
         yield log
+    except Exception as err:
+        # the whole story (a worker's remote traceback, its last log lines) goes to the file; the
+        # terminal gets one line of it (diffrl.cli.main, `logged_to`)
+        if log.started:
+            log.write("".join(traceback.format_exception(err)))
+            err.logged_to = log.path
+        raise
     finally:
         sys.stdout, sys.stderr = saved
         _active = None

@@ -307,3 +307,31 @@ def test_a_resume_past_total_steps_is_refused_naming_the_checkpoint_that_fits(tm
     lone = _kept_checkpoints(tmp_path / "other", 4000)[0]
     with pytest.raises(ConfigError, match="start a new run"):
         run_folder._check_not_past_total(cfg, lone)
+
+
+def test_a_worker_failure_is_one_line_on_the_console_and_whole_in_console_log(tmp_path, capsys, monkeypatch):
+    """Issue 51, probe 8: a worker's failure printed its remote traceback (and this process's) on
+    the console. Now one line names the worker, the method and the cause, and RUN/console.log holds
+    the tracebacks. The failure comes in the third optimizer step (step 2 or 3 of the run: one or
+    two a step), after the run has recorded step 1."""
+    from diffrl.train.engine import TrainEngine
+
+    real, calls = TrainEngine.optim_step, []
+
+    def fails_later(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted failure in the optimizer step")
+        return real(self)
+
+    monkeypatch.setattr(TrainEngine, "optim_step", fails_later)
+    assert train(tmp_path, *FAST, "trainer.total_steps=4", name="failing") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    log = tmp_path / "failing" / "console.log"
+    assert err[-1].startswith("diffrl train: worker rank 0 (of 1) failed in ")
+    assert err[-1].endswith(
+        f"RuntimeError: planted failure in the optimizer step (its traceback and last log lines: {log})"
+    )
+    assert not any("Traceback" in line for line in err)
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "in fails_later" in text
