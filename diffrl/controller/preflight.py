@@ -58,6 +58,7 @@ def preflight_common(cfg: Config) -> tuple[list[PromptRecord], list[PromptRecord
         raise ValueError(str(err)) from None
     index = read_model_index(cfg.model.path)
     check_model_files(cfg.model.path, index)
+    check_declared_sizes(cfg.model.path, index)
     check_image_size(cfg)
     if needs_rewards(cfg):
         probe_scorers(reward_specs(cfg.reward.functions))
@@ -170,6 +171,38 @@ def check_model_files(path: str, index: dict) -> None:
                     f"model.path={path!r}: {file} is not a readable safetensors file ({err}); the "
                     "model directory is damaged: copy or save the model again"
                 ) from None
+
+
+def check_declared_sizes(path: str, index: dict) -> None:
+    """No component's config declares more tensor memory than this process may use
+    (`declared_tensor_bytes`, counted on the meta device in fp32, as the modules are built before
+    a cast) beyond what its weight files hold: exit 2 naming the component, its largest tensor and
+    the config file, instead of an allocator traceback minutes into the load.
+
+    A large model on a host with less memory than its fp32 size is not this: its weights load in
+    the run's dtype, often straight to the GPU. So the declared bytes must also exceed twice the
+    component's safetensors files (fp32 against bf16 weights) to be refused: tensors its files do
+    not hold (a buffer built from a config size) or a config that does not describe its weights."""
+    from diffrl.models.memory import GIB, declared_tensor_bytes, memory_limit
+
+    root, limit = resolve_model_path(path), memory_limit()
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or None in spec:
+            continue
+        if not (root / name / "config.json").is_file():
+            continue
+        declared = declared_tensor_bytes(root / name, spec[0], spec[1])
+        stored = sum(f.stat().st_size for f in (root / name).glob("*.safetensors"))
+        if declared is None or declared[0] <= max(limit.bytes, 2 * stored):
+            continue
+        total, tensor, shape = declared
+        raise ValueError(
+            f"model.path={path!r}: {root / name / 'config.json'} declares a {spec[1]} of "
+            f"{total / GIB:,.1f} GiB of parameters and buffers (its largest, {tensor}, has shape "
+            f"{list(shape)}), more than the {limit.describe()} this process may use: the config's sizes "
+            "are wrong (a damaged or altered file) or the model needs a larger machine; copy or save "
+            "the model again"
+        )
 
 
 def check_image_size(cfg: Config) -> None:

@@ -217,3 +217,42 @@ __all__ = [
     "physical_memory_bytes",
     "rlimits",
 ]
+
+
+def declared_tensor_bytes(
+    component_dir: Path, library: str, class_name: str
+) -> tuple[int, str, tuple] | None:
+    """What a model component's own config makes it allocate when it is built: the bytes of its
+    parameters and buffers, and its largest tensor (name, shape), counted on the meta device (no
+    memory, no weights read); None for a component that is no torch module (a scheduler, a
+    tokenizer) or one its library cannot build from the config alone.
+
+    The config's sizes decide this before any weight is read: a position-embedding table of
+    `pos_embed_max_size`² patches, a vocabulary, a layer count. A wrong or hostile value there is
+    otherwise found as an allocator traceback while the model loads."""
+    import importlib
+
+    import torch
+
+    try:
+        module = importlib.import_module(library)
+        cls = getattr(module, class_name)
+    except (ImportError, AttributeError):
+        return None
+    with torch.device("meta"):
+        if library == "diffusers" and hasattr(cls, "from_config") and hasattr(cls, "load_config"):
+            model = cls.from_config(cls.load_config(component_dir))
+        elif library == "transformers" and hasattr(cls, "_from_config"):
+            from transformers import AutoConfig
+
+            model = cls._from_config(AutoConfig.from_pretrained(component_dir))
+        else:
+            return None
+    if not isinstance(model, torch.nn.Module):
+        return None
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if not tensors:
+        return None
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    name, largest = max(tensors, key=lambda item: item[1].numel())
+    return total, name, tuple(largest.shape)

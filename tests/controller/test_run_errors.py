@@ -335,3 +335,19 @@ def test_a_worker_failure_is_one_line_on_the_console_and_whole_in_console_log(tm
     assert not any("Traceback" in line for line in err)
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "in fails_later" in text
+
+
+def test_a_model_config_that_declares_more_memory_than_the_machine_is_refused(tmp_path, capsys, tiny_model):
+    """Issue 51, probe 1: a transformer config declaring a huge position-embedding table made the
+    load allocate 320 GB and die with an allocator traceback. The components are built on the meta
+    device from their configs first; one past the process's memory (and its weight files) is exit 2
+    naming the file and the tensor. A sane model passes (every other run here)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("sd3"), model)
+    config = model / "transformer" / "config.json"
+    values = json.loads(config.read_text())
+    values["pos_embed_max_size"] = 200_000  # (200,000²) patches x 32 channels of fp32: 4.8 TiB
+    config.write_text(json.dumps(values))
+    err = refused(tmp_path, capsys, f"model.path={model}")
+    assert f"{config} declares a SD3Transformer2DModel of 4,768.4 GiB" in err
+    assert "pos_embed.pos_embed, has shape [1, 40000000000, 32]" in err and "Traceback" not in err
