@@ -10,8 +10,9 @@ the trainer and the benchmarks never branch on the family:
     velocity        -> v                   (CFG computed inside, from one batched forward)
     decode          -> uint8 pixels        ([B,3,H,W] images, [B,T,3,H,W] videos)
 
-plus declared facts: transformer block classes (FSDP units, activation checkpointing, compile),
-default LoRA target modules, and an honest FLOPs count per forward.
+plus declared facts: transformer block classes (FSDP units, activation checkpointing, compile;
+found by `diffrl.models.blocks`), default LoRA target modules, and an honest FLOPs count per
+forward.
 
 Latents handed to and returned by adapters are fp32 (the trajectory's dtype); the network runs in
 the adapter's compute dtype and its output is cast back to fp32.
@@ -20,7 +21,6 @@ the adapter's compute dtype and its output is cast back to fp32.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +30,7 @@ from diffusers import DiffusionPipeline
 from tensordict import tensorclass
 
 from diffrl.files import read_json_file
+from diffrl.models.blocks import _GRAPHS_PER_STRUCTURE, _block_structure, find_blocks
 from diffrl.models.conditions import ConditionRule
 from diffrl.schedules import Schedule, flow_match_schedule
 
@@ -450,51 +451,6 @@ class ModelAdapter(ABC):
         `cond_tokens`: condition-image tokens per sample (`PromptEmbeds.cond_tokens`; edit
         families append them to the image tokens, so they go through every image-stream weight).
         """
-
-
-def find_blocks(module: torch.nn.Module, block_class_names: tuple[str, ...]) -> list[torch.nn.Module]:
-    """Submodules of a class named in `block_class_names` (or derived from one), in `modules()` order.
-
-    A class is matched through its whole MRO, not only its own name: FSDP2's `fully_shard` turns a
-    `JointTransformerBlock` into an instance of a generated `FSDPJointTransformerBlock` subclass,
-    and the blocks must still be found after sharding (compilation, activation checkpointing).
-
-    Raises ValueError when the names are malformed or nothing matches, listing the repeated
-    classes the module does have (the usual candidates).
-    """
-    if isinstance(block_class_names, str) or not all(isinstance(n, str) for n in block_class_names):
-        raise ValueError(
-            f"block_class_names must be a tuple of class-name strings; got {block_class_names!r} "
-            "(for one class write ('JointTransformerBlock',))"
-        )
-    if not block_class_names:
-        raise ValueError("block_class_names is empty: name the transformer's repeated block classes")
-    names = set(block_class_names)
-    blocks = [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    if not blocks:
-        counts = Counter(type(m).__name__ for m in module.modules())
-        repeated = sorted(name for name, n in counts.items() if n > 1)
-        raise ValueError(
-            f"no submodule of {type(module).__name__} has a class named {', '.join(block_class_names)}: "
-            f"pass the class names of its repeated blocks (classes appearing more than once: "
-            f"{', '.join(repeated) or 'none'}); for a model adapter use adapter.block_class_names"
-        )
-    return blocks
-
-
-# torch's default dynamo recompile limit, granted to each distinct block structure (see compile_blocks).
-_GRAPHS_PER_STRUCTURE = 8
-
-
-def _block_structure(block: torch.nn.Module) -> tuple:
-    """What makes dynamo guard a block differently: its submodule names and its scalar attributes."""
-    scalars = sorted(
-        (name, key, repr(value))
-        for name, m in block.named_modules()
-        for key, value in vars(m).items()
-        if isinstance(value, bool | int | float | str)
-    )
-    return type(block).__name__, tuple(scalars)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from diffrl.models.base import find_blocks
+from diffrl.models.blocks import find_blocks
 
 
 def _unit_trainable_dtypes(module: nn.Module, blocks: list[nn.Module]) -> dict[str, set[torch.dtype]]:

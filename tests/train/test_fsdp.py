@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from diffrl.models import load_model
-from diffrl.models.base import find_blocks
+from diffrl.models.blocks import find_blocks
 from diffrl.train import distributed
 from diffrl.train.fsdp import enable_activation_checkpointing, shard_transformer
 

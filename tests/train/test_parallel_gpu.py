@@ -28,7 +28,7 @@ from diffrl.config.schema import (
     SdeConfig,
 )
 from diffrl.models import load_model
-from diffrl.models.base import find_blocks
+from diffrl.models.blocks import find_blocks
 from diffrl.rollout import TrajectorySampler
 from diffrl.train import distributed
 from diffrl.train.batch import PolicyGradientBatch, TrainingTargets
