@@ -8,7 +8,7 @@
 
 Runs `diffrl train PRESET` for each preset (default: every shapes-world algorithm preset:
 each `shapes_*` preset but the supervised `shapes_sft` and `shapes_edit_sft`, `shapes_async`
-(Flow-GRPO with another placement) and `shapes_edit` (another task: image editing); `default` is
+(Flow-GRPO with another placement), `shapes_base` (their base, Flow-GRPO) and `shapes_edit` (another task: image editing); `default` is
 `shapes_nft_cfg_free` under another name), all
 with the same GPU-scale overrides: 32 prompts × 16 samples per step, one optimizer step per step, 4 validation samples per
 prompt, validation before training and every `--val-every` steps. Extra `key=value` overrides after `--` apply to every run
@@ -106,7 +106,8 @@ ALGORITHMS = {
     "shapes_dpo": "online Diffusion-DPO",
 }
 #: shapes_* presets that are not an RL algorithm of their own.
-NOT_ALGORITHMS = ("shapes_sft", "shapes_edit_sft", "shapes_async", "shapes_edit")
+# shapes_base: the base of the others, Flow-GRPO again (shapes_flow_grpo is the algorithm's run)
+NOT_ALGORITHMS = ("shapes_sft", "shapes_edit_sft", "shapes_async", "shapes_edit", "shapes_base")
 
 ACCURACY = "val/accuracy"
 STEP_SECONDS = "timing_s/step"

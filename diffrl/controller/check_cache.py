@@ -25,8 +25,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import diffrl
 from diffrl.config.schema import Config
+
+# diffrl's own source: an edited checkout checks again
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 # trainer.* keys that change what the run records or how long it runs, not what the check measures
 BOOKKEEPING = (
@@ -79,7 +81,7 @@ def check_key(cfg: Config, model_dir: Path, device: str) -> str:
         "config": settings,
         "model": _files([model_dir]),
         "prompts": _files(prompt_files),
-        "diffrl": _files([Path(diffrl.__file__).parent]),
+        "diffrl": _files([PACKAGE_DIR]),
         "torch": torch.__version__,
         "device": device,
     }

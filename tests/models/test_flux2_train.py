@@ -57,7 +57,9 @@ def test_the_check_passes_with_and_without_cfg(tmp_path_factory, monkeypatch):
     for overrides, passes in (([], 1), ([*base, "rollout.pipeline.negative_prompt=blurry"], 2)):
         report = check("tiny_flux2_klein", overrides, quick=True)
         assert report.exit_code == 0, report.table()
-        assert report.row("sampler = pipeline").measured == "rel. error 0"
+        # the same kernels as the pipeline: 0 on most hosts, float rounding (2.8e-07) on some CPUs
+        measured = report.row("sampler = pipeline").measured
+        assert measured.startswith("rel. error ") and float(measured.split()[-1]) < 1e-6, measured
         assert f"passes/sample [{passes}] vs [{passes}]" in report.row("guidance / true CFG").measured
 
 
