@@ -272,9 +272,7 @@ def test_batch_sizes_must_nest():
     with pytest.raises(
         ConfigError, match=r"actor\.mini_batch_size=12 is invalid: must be a multiple of rollout\.n=8"
     ):
-        load_config(
-            "shapes_base", ["rollout.n=8", "actor.mini_batch_size=12", "actor.micro_batch_size=4"]
-        )
+        load_config("shapes_base", ["rollout.n=8", "actor.mini_batch_size=12", "actor.micro_batch_size=4"])
     with pytest.raises(ConfigError, match=r"actor\.mini_batch_size=64 is invalid: must divide .* = 32"):
         load_config("shapes_base", ["actor.mini_batch_size=64"])
     # micro-batches are per worker: 2 workers × 16 no longer divide a mini-batch of 16
@@ -308,9 +306,7 @@ def test_batch_sizes_must_nest():
             ],
         )
     with pytest.raises(ConfigError, match=r"rollout\.n=1 is invalid: must be >= 2"):
-        load_config(
-            "shapes_base", ["rollout.n=1", "actor.mini_batch_size=4", "actor.micro_batch_size=4"]
-        )
+        load_config("shapes_base", ["rollout.n=1", "actor.mini_batch_size=4", "actor.micro_batch_size=4"])
 
 
 def test_derived_values_are_computed_from_the_keys():
