@@ -55,12 +55,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DIFFRL_CACHE", Path.home() / ".cache" / "diffrl")) / "checks"
 
 
-def _files(paths: Iterable[Path]) -> list[tuple[str, int, int]]:
-    """(path, size, mtime_ns) of each file under `paths`, sorted; a missing path is left out."""
+def _files(paths: Iterable[Path], pattern: str = "*") -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of each file under `paths` matching `pattern`, sorted; a missing
+    path is left out."""
     out = []
     for root in paths:
         root = Path(root)
-        found = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        found = [root] if root.is_file() else sorted(p for p in root.rglob(pattern) if p.is_file())
         for path in found:
             stat = path.stat()
             out.append((str(path.resolve()), stat.st_size, stat.st_mtime_ns))
@@ -81,7 +82,7 @@ def check_key(cfg: Config, model_dir: Path, device: str) -> str:
         "config": settings,
         "model": _files([model_dir]),
         "prompts": _files(prompt_files),
-        "diffrl": _files([PACKAGE_DIR]),
+        "diffrl": _files([PACKAGE_DIR], "*.py"),  # not __pycache__: compiling is no change
         "torch": torch.__version__,
         "device": device,
     }

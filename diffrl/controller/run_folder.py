@@ -79,13 +79,12 @@ def check_checkpoint(cfg: Config, path: Path, verified: bool = False) -> None:
 
 def _lora_targets(cfg: Config) -> list[str]:
     """The module names this config's LoRA adapts, as meta.json records them (sorted): the
-    configured list, else the model family's default (diffrl.train.lora.inject_lora)."""
-    if cfg.model.lora.target_modules:
-        return sorted(set(cfg.model.lora.target_modules))
+    configured list, else the model family's default (diffrl.train.lora.target_modules)."""
     from diffrl.models import adapter_class, read_model_index
+    from diffrl.train.lora import target_modules
 
     family = adapter_class(read_model_index(cfg.model.path)["_class_name"])
-    return sorted(set(family.default_lora_target_modules))
+    return sorted(set(target_modules(cfg.model.lora, family)))
 
 
 def _lock(run_dir: Path) -> int:

@@ -16,6 +16,11 @@ from diffrl.models.base import ModelAdapter
 from diffrl.seeding import LORA_INIT_STREAM, derive_seed
 
 
+def target_modules(lora: LoraConfig, family: type[ModelAdapter]) -> list[str]:
+    """The module names LoRA adapts: `model.lora.target_modules`, else the family's declared list."""
+    return list(lora.target_modules or family.default_lora_target_modules)
+
+
 def inject_lora(adapter: ModelAdapter, lora: LoraConfig, names: Sequence[str], seed: int = 0) -> list[str]:
     """Add one LoRA adapter per name (same config each) and make the first the active, trained one.
 
@@ -26,7 +31,7 @@ def inject_lora(adapter: ModelAdapter, lora: LoraConfig, names: Sequence[str], s
     """
     if lora.rank <= 0:
         raise ValueError(f"model.lora.rank={lora.rank}: LoRA needs rank > 0 (rank 0 means full fine-tuning)")
-    targets = list(lora.target_modules or adapter.default_lora_target_modules)
+    targets = target_modules(lora, type(adapter))
     config = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
