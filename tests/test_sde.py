@@ -1,4 +1,4 @@
-"""diffrl.sde.step against independent float64 formulas (ALGORITHMS.md, "SDE steps") and torch.distributions."""
+"""diffrl.sde.step against independent float64 formulas (docs/algorithms.md, "One step, one function") and torch.distributions."""
 
 import math
 
@@ -29,7 +29,7 @@ def _f64(value):
 
 
 def _reference(kind, latents, velocity, sigma, sigma_next, eta, sigma_1=None):
-    """(mean, std) of the transition, written from ALGORITHMS.md in float64."""
+    """(mean, std) of the transition, written from docs/algorithms.md in float64."""
     x, v = latents.double(), velocity.double()
     s, s_next = _f64(sigma), _f64(sigma_next)
     dt = s_next - s

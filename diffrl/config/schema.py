@@ -8,7 +8,7 @@ the section's dotted path, so errors name the full key); `Config.validate()` add
 span sections. Values derived from several keys (images per step, the SDE window, the world size)
 are properties computed on the sections and here, never stored.
 
-The defaults are a GPU-scale Flow-GRPO recipe (the SD3.5-Medium numbers of ALGORITHMS.md); the
+The defaults are a GPU-scale Flow-GRPO recipe (SD3.5-Medium's numbers; docs/configuration.md lists them); the
 `default` preset shrinks them to the CPU demo.
 """
 

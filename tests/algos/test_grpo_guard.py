@@ -72,7 +72,7 @@ def make(seed=1):
 
 
 def reference(mean, old_mean, logp, old_logp, s, h, adv, eps, adv_clip, weights=None):
-    """Float64 loop over samples with explicit sums (the formula of ALGORITHMS.md, 'grpo_guard')."""
+    """Float64 loop over samples with explicit sums (the formula of docs/algorithms.md, 'grpo_guard')."""
     sigma_bar = sum(s.tolist()) / B
     h_bar = sum(h.tolist()) / B
     kappa = sigma_bar * h_bar

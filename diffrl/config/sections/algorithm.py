@@ -20,7 +20,7 @@ from diffrl.config.registries import LOOPS, get_advantage_estimator
 class OldPolicyConfig:
     """When and how the `old` adapter follows the trained one (DiffusionNFT and EMA variants)."""
 
-    schedule: str = "copy"  # a named decay schedule (see ALGORITHMS.md)
+    schedule: str = "copy"  # a named decay schedule (docs/algorithms.md, "Old policy")
     decay: float | None = None  # a fixed decay d; overrides the schedule when set
     update_interval: int = 1  # optimizer steps between updates
 
