@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/shapes_sde_noise.py [--n 4] [--seed 42] [--rows 96] [key=value ...]
 
-The lead of issue 17: with the Flow-GRPO SDE on the last step the final sample keeps noise of std
+The question: with the Flow-GRPO SDE on the last step the final sample keeps noise of std
 η·sqrt(σ/(1−σ))·sqrt(σ) (diffrl/sde.py), and the toy model is pixel space, so the verifier would
 read that noise. This samples the `shapes_flow_grpo` preset's held-out validation file (`data.val_files`)
 with `toy:shapes`, `--n` samples per prompt, under five samplers that all start from the same
