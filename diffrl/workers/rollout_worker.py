@@ -287,6 +287,7 @@ class RolloutWorker(ProfiledWorker):
             raise RuntimeError("receive_weights before join_weight_sync: the controller must join first")
         params = self.adapter.transformer.state_dict(keep_vars=True)
         stats = self._weight_sync.receive(specs, params, bucket_bytes=bucket_bytes)
+        check_synced_set(specs, self.adapter.transformer, f"weight sync of version {version}")
         self.weight_version = version
         return stats.metrics()
 
@@ -298,6 +299,31 @@ class RolloutWorker(ProfiledWorker):
         if self._weight_sync is not None:
             self._weight_sync.close()
             self._weight_sync = None
+
+
+def check_synced_set(specs: Sequence[Any], transformer: torch.nn.Module, where: str) -> None:
+    """Raise AdapterMismatchError unless what a sync streamed (`specs`) is every tensor of the
+    replica's module (a full sync) or every one of its LoRA tensors (an adapters-only sync).
+
+    The stream's own checks hold each streamed tensor to a tensor of the module; this holds the
+    module to the stream: a LoRA module the replica carries and the trainer never sends would
+    keep its initial weights (B = 0, the base model) while the replica samples as "trained"."""
+    from diffrl.models.lora_check import check_adapter_tensors, shapes_of
+    from diffrl.train.export import adapter_key_predicate, lora_adapter_names
+
+    state = transformer.state_dict()
+    keep = lambda key: True  # noqa: E731
+    if lora_adapter_names(transformer):
+        is_adapter = adapter_key_predicate(transformer)
+        if all(is_adapter(spec.name) for spec in specs):  # adapters only: the module's LoRA tensors
+            keep = is_adapter
+    check_adapter_tensors(
+        where,
+        {spec.name: spec.shape for spec in specs},
+        shapes_of((k, v) for k, v in state.items() if keep(k)),
+        side="the replica's model",
+        fix="Trainer and rollout replicas must inject the same LoRA adapters (same model.lora settings)",
+    )
 
 
 def reuses_log_probs(cfg: Config) -> bool:

@@ -53,7 +53,9 @@ class WeightSource:
         from diffrl.workers.weight_specs import tensor_specs
 
         keep = self._sync_filter(full)
-        return tensor_specs((k, t) for k, t in self.engine.transformer.state_dict().items() if keep(k))
+        specs = tensor_specs((k, t) for k, t in self.engine.transformer.state_dict().items() if keep(k))
+        self._require_trained([spec.name for spec in specs])
+        return specs
 
     @torch.no_grad()
     @profiled_call
@@ -89,6 +91,7 @@ class WeightSource:
                 pass
             return []
         copies = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named]
+        self._require_trained([name for name, _ in copies])
         self.snapshots[version] = copies
         return tensor_specs(copies)
 
@@ -115,6 +118,18 @@ class WeightSource:
         from diffrl.train.export import iter_weights
 
         return iter_weights(self.engine.transformer, adapter_only=self.engine.lora and not full)
+
+    def _require_trained(self, streamed: list[str]) -> None:
+        """Every tensor the engine trains must be among those streamed: a key filter that missed a
+        module (a LoRA layer type it does not know) would leave the replicas' copy untrained."""
+        from diffrl.models.lora_check import require_trained_covered, trainable_names
+
+        require_trained_covered(
+            "weight sync",
+            trainable_names(self.engine.transformer),
+            streamed,
+            fix="diffrl.train.export.adapter_key_predicate must recognise every adapter tensor: please report it",
+        )
 
     def _sync_filter(self, full: bool) -> Callable[[str], bool]:
         if full or not self.engine.lora:

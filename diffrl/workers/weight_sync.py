@@ -19,7 +19,8 @@ Protocol of one sync, repeated per bucket and ended by an empty bucket:
     1. header   int64[3] = (tensors in the bucket, payload bytes, spec-blob bytes)   (0, 0, 0) ends
     2. specs    uint8[spec-blob bytes]: JSON [[name, shape, dtype], ...] of the bucket's tensors
     3. payload  uint8[payload bytes]: the tensors' raw bytes, back to back, in stream order
-    4. (after the end marker) an all-reduce of each receiver's "all unpacked" flag
+    4. (after the end marker) digests float64[tensors, 2]: each tensor's (sum, sum |x|) as sent
+    5. an all-reduce of each receiver's "all unpacked, digests match" flag
 
 The source packs tensors in stream order into one flat byte buffer of at most `bucket_bytes`
 (dtypes mixed: the bytes are copied as they are, so a bucket needs no per-dtype split and keeps the
@@ -34,8 +35,13 @@ receiver compares every bucket's spec list with its own expectation *before* tha
 move, and raises a ValueError naming the first tensor that differs (name, shape and dtype on both
 sides); a stream that is too short or too long is caught the same way. Before any communication,
 `receive` also checks that every expected tensor exists in its own parameters with the same shape
-and dtype. The final all-reduce makes `send` return only once every replica has unpacked
-everything, so `SyncStats.seconds` on the source is the end-to-end time.
+and dtype. After the stream each receiver digests the tensors it wrote into (its module's own
+storage) and compares them with the source's digests of what it sent
+(`diffrl.models.lora_check`: float64 sums, in each tensor's own dtype on both sides, so no cast
+can make them differ), raising an AdapterMismatchError naming the modules whose bytes did not
+land. The final all-reduce makes `send` return only once every replica has unpacked and checked
+everything (a replica whose check failed answers 0, so the source fails at once rather than at
+its deadline), so `SyncStats.seconds` on the source is the end-to-end time.
 
 Deadlines: the store and the process group are both built with `timeout_s`; a peer that never
 joins, dies, or stops midway makes `join`, `send` or `receive` raise within about that time (gloo
@@ -60,6 +66,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from diffrl.models.lora_check import check_adapter_tensors, digest_table
 from diffrl.workers.sync_rendezvous import (
     _STORE_PREFIX,
     _cuda_device,
@@ -176,10 +183,12 @@ class WeightSyncGroup:
         self._require(rank0=True, bucket_bytes=bucket_bytes)
         start = time.perf_counter()
         stats = SyncStats()
+        sent: list[tuple[list[str], torch.Tensor]] = []  # each tensor's digest, taken as it goes
         try:
             bucket = _Bucket(bucket_bytes)
             for name, tensor in named_tensors:
                 spec = TensorSpec.of(name, tensor)
+                sent.append(digest_table([(name, tensor)]))
                 if spec.nbytes > bucket_bytes:
                     self._flush(bucket, stats)
                     self._send_alone(spec, tensor, stats)
@@ -189,6 +198,7 @@ class WeightSyncGroup:
                 bucket.add(spec, tensor)
             self._flush(bucket, stats)
             self._broadcast_header(0, 0, 0)
+            self._broadcast(self._digests(sent))
             self._ack()
         except Exception as err:
             self._fail("send", err)
@@ -275,7 +285,10 @@ class WeightSyncGroup:
                     stats.tensors += len(got)
                     stats.bytes += payload
                     stats.buckets += 1
-            self._ack()
+                mismatch = self._check_digests(specs, params)
+            self._ack(ok=mismatch is None)
+            if mismatch is not None:
+                raise mismatch
         except Exception as err:
             self._fail("receive", err)
         stats.seconds = time.perf_counter() - start
@@ -308,6 +321,36 @@ class WeightSyncGroup:
             return self._host_buffer(payload)
         return torch.empty(payload, dtype=torch.uint8, device=self._wire_device())
 
+    def _digests(self, sent: list[tuple[list[str], torch.Tensor]]) -> torch.Tensor:
+        """The source's digests of what it sent, as one float64[n, 2] tensor on the wire device."""
+        if not sent:
+            return torch.zeros(0, 2, dtype=torch.float64, device=self._wire_device())
+        device = sent[0][1].device  # the tensors' (the trainer's GPU): one copy to the wire, not n
+        return torch.cat([table.to(device) for _, table in sent]).to(self._wire_device())
+
+    def _check_digests(
+        self, specs: Sequence[TensorSpec], params: Mapping[str, torch.Tensor]
+    ) -> Exception | None:
+        """Receive the source's digests and compare them with this replica's of the tensors it
+        wrote into; the mismatch to raise (after the acknowledgement), or None."""
+        sent = self._broadcast(torch.empty(len(specs), 2, dtype=torch.float64, device=self._wire_device()))
+        names, bound = digest_table((spec.name, params[spec.name]) for spec in specs)
+        shapes = {spec.name: spec.shape for spec in specs}
+        as_pairs = lambda table: {n: (s, a) for n, (s, a) in zip(names, table.cpu().tolist(), strict=True)}  # noqa: E731
+        try:
+            check_adapter_tensors(
+                f"weight sync to rank {self.rank}",
+                shapes,
+                shapes,
+                trained_digests=as_pairs(sent),
+                arrived_digests=as_pairs(bound),
+                side="the replica's model",
+                fix="The bytes sent did not land in the module's tensors: a bug in the transport, please report it",
+            )
+        except ValueError as err:
+            return err
+        return None
+
     # ------------------------------------------------------------------------------ plumbing
     def _wire_device(self) -> torch.device:
         return _cuda_device() if self.backend == "nccl" else torch.device("cpu")
@@ -329,14 +372,16 @@ class WeightSyncGroup:
         count, payload, blob_bytes = (int(v) for v in header.tolist())
         return count, payload, blob_bytes
 
-    def _ack(self) -> None:
+    def _ack(self, ok: bool = True) -> None:
         """All ranks meet once the stream is over: the source's `send` returns only after every
-        replica has unpacked everything (a replica that failed never arrives: the source times out)."""
-        flag = torch.ones(1, dtype=torch.int32, device=self._wire_device())
+        replica has unpacked and checked everything. A replica whose digests differ answers 0 (and
+        raises its own error after); one that failed earlier never arrives: the source times out."""
+        flag = torch.full((1,), int(ok), dtype=torch.int32, device=self._wire_device())
         self._pg.allreduce([flag], dist.AllreduceOptions()).wait(self.timeout)
-        if int(flag.item()) != self.world_size:
-            raise RuntimeError(
-                f"weight sync: acknowledgement summed to {int(flag.item())}, expected {self.world_size}"
+        if ok and int(flag.item()) != self.world_size:
+            raise ValueError(
+                f"weight sync: acknowledgement summed to {int(flag.item())}, expected {self.world_size}: "
+                "a replica found that the tensors it received differ from those sent (its own error names them)"
             )
 
     def _require(self, *, rank0: bool, bucket_bytes: int) -> None:
