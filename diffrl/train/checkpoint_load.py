@@ -105,6 +105,27 @@ def _load_optimizer(
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": param_groups})
 
 
+def _check_adapters_bound(path: Path, model: nn.Module, model_state: dict[str, Any], bound: Any) -> None:
+    """Raise AdapterMismatchError unless the load bound every adapter tensor the model trains.
+
+    `bound` is what `set_model_state_dict` reports (missing and unexpected keys): not strict for
+    adapters, it would pass over an adapter tensor it did not bind, and the module would train on
+    from its initial weights (LoRA's B = 0) as if resumed. (That the state covers every tensor
+    that requires grad, `_model_state` checks.)"""
+    from diffrl.models.lora_check import check_adapter_tensors
+
+    where = f"checkpoint {str(path)!r}"
+    fix = (
+        "The model's adapters and the state loaded into them disagree although their settings match: "
+        "a bug in the load (please report it with the modules named); the checkpoint itself may be intact"
+    )
+    shapes = {key: tuple(value.shape) for key, value in model_state.items()}
+    missing = set(bound.missing_keys)
+    arrived = {key: shape for key, shape in shapes.items() if key not in missing}
+    arrived.update({key: shapes.get(key, ()) for key in bound.unexpected_keys})
+    check_adapter_tensors(where, shapes, arrived, side="the model after loading", fix=fix)
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -164,7 +185,9 @@ def load_checkpoint(
         optim_target, optim_live = _optimizer_target(path, optim_saved, model, optimizer)
     _load_tensors(model_state, path / MODEL_DIR)
     # Not strict for adapters: the frozen base weights are deliberately absent from the state.
-    set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
+    bound = set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
+    if trainable_only:
+        _check_adapters_bound(path, model, model_state, bound)
     if load_optimizer:
         _load_optimizer(path, optim_saved, optim_target, optim_live, model, optimizer)
     if scheduler is not None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from diffrl.files import named_os_error
+from diffrl.models.lora_check import require_trained_covered, trainable_names
 from diffrl.train.distributed import is_distributed
 from diffrl.train.export import adapter_key_predicate, lora_adapter_names
 
@@ -43,7 +44,8 @@ def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
     "trainable_only" means the part training changes: all named adapters, including frozen copies
     such as `old` (their values come from training too), never the frozen base weights. Filtering
     keys (rather than `ignore_frozen_params`) is what keeps the frozen adapters in. The tensors are
-    the module's own (DTensor shards under FSDP2), not copies.
+    the module's own (DTensor shards under FSDP2), not copies. Every tensor that requires grad
+    must be among them (an AdapterMismatchError names the modules otherwise).
     """
     state = get_model_state_dict(model)
     if not trainable_only:
@@ -54,7 +56,15 @@ def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
             "model.lora.rank=0): pass trainable_only=False"
         )
     is_adapter = adapter_key_predicate(model)
-    return {key: value for key, value in state.items() if is_adapter(key)}
+    adapters = {key: value for key, value in state.items() if is_adapter(key)}
+    # A trained tensor the filter misses would be neither saved nor restored, without a word.
+    require_trained_covered(
+        f"the LoRA state of {type(model).__name__}",
+        trainable_names(model),
+        adapters,
+        fix="diffrl.train.export.adapter_key_predicate must recognise every adapter tensor: please report it",
+    )
+    return adapters
 
 
 def _split_optimizer_state(state: dict[str, dict[str, Any]]) -> tuple[dict, dict, dict]:

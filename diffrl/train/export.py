@@ -163,8 +163,54 @@ def export_lora(
                 is_main_process=True,
             )
         umask_mode(out / LORA_FILE)  # written 0600 through a temporary file; 0644 like every other file
+        check_lora_file(transformer, out / LORA_FILE, adapter_name)
     barrier()
     return out
+
+
+def diffusers_lora_key(key: str, adapter_name: str, prefix: str = "transformer") -> str:
+    """A module's adapter key as the diffusers LoRA file names it: the adapter name dropped (peft's
+    `get_peft_model_state_dict`), the component prefixed (`save_lora_weights`):
+    `blocks.0.to_q.lora_A.default.weight` -> `transformer.blocks.0.to_q.lora_A.weight`."""
+    from diffrl.models.lora_check import ADAPTER_PARTS
+
+    parts = key.split(".")
+    kept = [
+        part
+        for index, part in enumerate(parts)
+        if not (part == adapter_name and index > 0 and parts[index - 1] in ADAPTER_PARTS)
+    ]
+    return ".".join([prefix, *kept])
+
+
+def check_lora_file(transformer: nn.Module, file: Path, adapter_name: str) -> None:
+    """Raise AdapterMismatchError unless the LoRA file written holds every tensor of adapter
+    `adapter_name` (and every trained one), by the diffusers names and shapes, and nothing else.
+
+    The file is read back by safetensors' own header reader (no tensor is loaded): what a loader
+    will find, not what was handed to the writer. peft's state-dict filter and the pipeline's
+    writer both stand between the module and the file, and either dropping a module (as one
+    dropped Qwen-Image's `to_out.0`) would leave an export that loads without a word and samples
+    as the base model there."""
+    from safetensors import safe_open
+
+    from diffrl.models.lora_check import check_adapter_tensors, require_trained_covered, trainable_names
+
+    with safe_open(str(file), framework="pt") as handle:
+        written = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    is_adapter = adapter_key_predicate(transformer, adapter_name)
+    trained = {
+        diffusers_lora_key(key, adapter_name): tuple(value.shape)
+        for key, value in transformer.state_dict().items()
+        if is_adapter(key)
+    }
+    where = f"the LoRA export {str(file)!r}"
+    fix = (
+        "A module of the adapter was lost between peft and the file: please report it with the modules named"
+    )
+    active = [name for name in trainable_names(transformer) if f".{adapter_name}." in f".{name}."]
+    require_trained_covered(where, [diffusers_lora_key(n, adapter_name) for n in active], trained, fix=fix)
+    check_adapter_tensors(where, trained, written, side="the exported file", fix=fix)
 
 
 # ---------------------------------------------------------------------------------- full export
