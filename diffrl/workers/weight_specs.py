@@ -4,7 +4,9 @@ The specs are the contract between the trainer and a replica, independent of how
 the trainer's weight source builds them from metadata only (`tensor_specs`), the controller hands
 them to each replica's `receive`, which checks them against its own model (`check_specs`) before
 anything moves, and the stream carries each bucket's spec list as JSON (`_spec_blob`,
-`_parse_blob`: nothing received is unpickled) for the replica to compare with that list. They are
+`_parse_blob`: nothing received is unpickled) for the replica to compare with that list. After the
+stream the source's digests of what it sent meet the replica's of what it wrote into
+(`digest_table`, `differing_digests`). They are
 apart from `weight_sync` (the process group and its protocol) because the weight source builds and
 ships them without being in a group.
 """
@@ -12,6 +14,7 @@ ships them without being in a group.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -117,3 +120,54 @@ def _spec_blob(specs: Sequence[TensorSpec]) -> torch.Tensor:
 def _parse_blob(blob: torch.Tensor) -> list[TensorSpec]:
     # JSON only: nothing received over the network is unpickled or executed.
     return [TensorSpec.from_json(item) for item in json.loads(bytes(blob.cpu().tolist()).decode())]
+
+
+# -------------------------------------------------------------------------------------- digests
+#: The difference of two digests, relative to the sum of |x|, above which they are other tensors.
+DIGEST_RTOL = 1e-7
+
+
+def _digest_pair(tensor: torch.Tensor) -> torch.Tensor:
+    x = tensor.detach()
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        x = x.to(torch.float64)  # integers, bools, fp8: the same values on both sides
+    return torch.stack([x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, 1, dtype=torch.float64)])
+
+
+def digest_table(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """(names, float64[n, 2] on the tensors' device): each tensor's (sum, sum |x|).
+
+    Computed on each side of a sync from the tensor as it is held, in its own dtype: a sync copies
+    bytes and never casts, so both sides add up the same values, and only the order of the
+    additions can differ (another device, another reduction tree). That moves a float64 sum by far
+    less than `DIGEST_RTOL` of the sum of |x|, while a tensor that was not written, or written
+    from another tensor, differs by far more. No number moves to the host per tensor: the caller
+    reads the table once.
+    """
+    names, pairs = [], []
+    for name, tensor in named:
+        names.append(name)
+        pairs.append(_digest_pair(tensor))
+    if not pairs:
+        return names, torch.zeros(0, 2, dtype=torch.float64)
+    device = pairs[0].device
+    return names, torch.stack([pair.to(device) for pair in pairs])
+
+
+def digests_match(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two (sum, sum |x|) digests are the same tensor's. NaN and inf equal themselves: a
+    diverged trainer is reported by its own checks, not as a tensor lost on the way."""
+    scale = max((abs(x) for x in (a[1], b[1]) if math.isfinite(x)), default=0.0)
+    for x, y in zip(a, b, strict=True):
+        if not (math.isfinite(x) and math.isfinite(y)):
+            if not (x == y or (math.isnan(x) and math.isnan(y))):
+                return False
+        elif abs(x - y) > DIGEST_RTOL * scale:
+            return False
+    return True
+
+
+def differing_digests(names: Sequence[str], sent: torch.Tensor, held: torch.Tensor) -> list[str]:
+    """The names whose digest rows in `sent` and `held` (float64[n, 2] tables) differ."""
+    rows = zip(names, sent.cpu().tolist(), held.cpu().tolist(), strict=True)
+    return [name for name, a, b in rows if not digests_match(a, b)]

@@ -37,9 +37,9 @@ sides); a stream that is too short or too long is caught the same way. Before an
 `receive` also checks that every expected tensor exists in its own parameters with the same shape
 and dtype. After the stream each receiver digests the tensors it wrote into (its module's own
 storage) and compares them with the source's digests of what it sent
-(`diffrl.models.lora_check`: float64 sums, in each tensor's own dtype on both sides, so no cast
-can make them differ), raising an AdapterMismatchError naming the modules whose bytes did not
-land. The final all-reduce makes `send` return only once every replica has unpacked and checked
+(`diffrl.workers.weight_specs.digest_table`: float64 sums, in each tensor's own dtype on both
+sides, so no cast can make them differ), raising an AdapterMismatchError
+(`diffrl.models.lora_check`) naming the modules whose bytes did not land. The final all-reduce makes `send` return only once every replica has unpacked and checked
 everything (a replica whose check failed answers 0, so the source fails at once rather than at
 its deadline), so `SyncStats.seconds` on the source is the end-to-end time.
 
@@ -66,7 +66,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from diffrl.models.lora_check import check_adapter_tensors, digest_table
 from diffrl.workers.sync_rendezvous import (
     _STORE_PREFIX,
     _cuda_device,
@@ -74,7 +73,14 @@ from diffrl.workers.sync_rendezvous import (
     _listen_socket,
     _make_backend,
 )
-from diffrl.workers.weight_specs import TensorSpec, _parse_blob, _spec_blob, check_specs
+from diffrl.workers.weight_specs import (
+    TensorSpec,
+    _parse_blob,
+    _spec_blob,
+    check_specs,
+    differing_digests,
+    digest_table,
+)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -334,16 +340,21 @@ class WeightSyncGroup:
         """Receive the source's digests and compare them with this replica's of the tensors it
         wrote into; the mismatch to raise (after the acknowledgement), or None."""
         sent = self._broadcast(torch.empty(len(specs), 2, dtype=torch.float64, device=self._wire_device()))
-        names, bound = digest_table((spec.name, params[spec.name]) for spec in specs)
+        names, held = digest_table((spec.name, params[spec.name]) for spec in specs)
+        differing = differing_digests(names, sent, held)
+        if not differing:
+            return None
+        # only on a mismatch: lora_check's package (diffrl.models) imports diffusers, seconds
+        # that a process streaming plain tensors need not spend
+        from diffrl.models.lora_check import check_adapter_tensors
+
         shapes = {spec.name: spec.shape for spec in specs}
-        as_pairs = lambda table: {n: (s, a) for n, (s, a) in zip(names, table.cpu().tolist(), strict=True)}  # noqa: E731
         try:
             check_adapter_tensors(
                 f"weight sync to rank {self.rank}",
                 shapes,
                 shapes,
-                trained_digests=as_pairs(sent),
-                arrived_digests=as_pairs(bound),
+                differing=differing,
                 side="the replica's model",
                 fix="The bytes sent did not land in the module's tensors: a bug in the transport, please report it",
             )
