@@ -240,6 +240,7 @@ def export_full(
     created on the meta device and take cloned CPU tensors by assignment (never the training
     module's own storage, which the merge would overwrite), so the export costs one copy of the
     weights in CPU memory and no random initialisation. Weights keep their training dtype. Collective under a process group; rank 0 writes.
+    A merge that passes over a module carrying the adapter raises, naming it (`check_merged`).
     """
     names = lora_adapter_names(transformer)
     if names and not merge:
@@ -271,7 +272,10 @@ def export_full(
         # never read them, and the loader of the exported directory computes them afresh.
         clone.load_state_dict(state, strict=True, assign=True)
         if names:
+            is_trained = adapter_key_predicate(transformer, adapter_name)
+            trained = {key: tuple(value.shape) for key, value in state.items() if is_trained(key)}
             clone.fuse_lora(adapter_names=[adapter_name])
+            check_merged(clone, trained, adapter_name, out)
             clone.unload_lora()
         out.mkdir(parents=True, exist_ok=True)
         with naming(out):  # safetensors' errors name no file
@@ -279,6 +283,35 @@ def export_full(
         del clone, state
     barrier()
     return out
+
+
+def check_merged(clone: nn.Module, trained: dict[str, tuple[int, ...]], adapter_name: str, out: Path) -> None:
+    """Raise AdapterMismatchError unless diffusers' `fuse_lora` merged adapter `adapter_name` into
+    every module that carries it: `trained` holds the training module's adapter tensors, the
+    merged modules' tensors (peft lists the adapter in a layer's `merged_adapters` once merged)
+    must be the same. A layer the merge passed over would be exported as the base weight."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from diffrl.models.lora_check import check_adapter_tensors, module_of
+
+    merged = {
+        name
+        for name, module in clone.named_modules()
+        if isinstance(module, BaseTunerLayer) and adapter_name in module.merged_adapters
+    }
+    is_adapter = adapter_key_predicate(clone, adapter_name)
+    arrived = {
+        key: tuple(value.shape)
+        for key, value in clone.state_dict().items()
+        if is_adapter(key) and module_of(key) in merged
+    }
+    check_adapter_tensors(
+        f"the merged export {str(out)!r}",
+        trained,
+        arrived,
+        side="the merged weights",
+        fix="The merge passed over these modules: please report it with the modules named",
+    )
 
 
 # ---------------------------------------------------------------------------------- pipelines

@@ -1,6 +1,6 @@
 """No LoRA module goes missing silently in a checkpoint or an export: a save or a load that leaves a
-trained module's tensors out, a load that does not bind them, and an export file that lacks them
-each stop naming the module (diffrl.models.lora_check). Each test drops one module's tensors at
+trained module's tensors out, a load that does not bind them, an export file that lacks them and a
+merge that passes over them each stop naming the module (diffrl.models.lora_check). Each test drops one module's tensors at
 the step it guards (monkeypatched) and checks that nothing passes without a word."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from diffrl.models import load_model
 from diffrl.models.lora_check import AdapterMismatchError
 from diffrl.models.sd3 import SD3Adapter
 from diffrl.train.checkpoint import load_checkpoint, save_checkpoint
-from diffrl.train.export import export_lora
+from diffrl.train.export import export_full, export_lora
 
 LOST = "transformer_blocks.0.attn.to_out.0"
 
@@ -118,3 +118,27 @@ def test_an_export_file_with_a_tensor_of_another_shape_stops_naming_it(tiny_mode
     ) as err:
         export_lora(transformer, tmp_path / "lossy", pipeline_class=StableDiffusion3Pipeline)
     assert err.value.differing == [f"transformer.{LOST}.lora_A.weight"]
+
+
+def test_a_merged_export_whose_merge_passes_over_a_module_stops_naming_it(tiny_model, tmp_path, monkeypatch):
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    transformer = _transformer(tiny_model)
+    export_full(transformer, tmp_path / "whole", merge=True)  # passes
+    real = PeftAdapterMixin.fuse_lora
+
+    def fuse_all_but_lost(self, *args, **kwargs):
+        lost = self.get_submodule(LOST)
+        lost.merge = lambda safe_merge=False, adapter_names=None: None  # this layer's merge does nothing
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            del lost.merge
+
+    monkeypatch.setattr(PeftAdapterMixin, "fuse_lora", fuse_all_but_lost)
+    with pytest.raises(
+        AdapterMismatchError, match=rf"missing from the merged weights, of modules {LOST}\."
+    ) as err:
+        export_full(transformer, tmp_path / "lossy", merge=True)
+    assert sorted(err.value.missing) == [f"{LOST}.lora_A.default.weight", f"{LOST}.lora_B.default.weight"]
+    assert not (tmp_path / "lossy").exists()
