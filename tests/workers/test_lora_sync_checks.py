@@ -140,3 +140,30 @@ def test_a_replica_lora_module_the_trainer_never_sends_stops_the_sync_naming_it(
         check_synced_set(dropped, transformer, "weight sync of version 3")
     assert "weight sync of version 3" in str(err.value) and "same model.lora settings" in str(err.value)
     assert sorted(err.value.unexpected) == [f"{LOST}.lora_A.default.weight", f"{LOST}.lora_B.default.weight"]
+
+
+def test_a_snapshot_for_a_later_sync_that_misses_a_trained_module_stops_naming_it(tiny_model, monkeypatch):
+    """Bounded staleness copies what a sync will stream (`weights.snapshot`) and streams it later:
+    the copy is held to what trains as `weights.specs` is (tests/controller/test_lora_sync_run.py)."""
+    from types import SimpleNamespace
+
+    from diffrl.train import export
+    from diffrl.workers.weight_source import WeightSource
+
+    transformer = _replica_transformer(tiny_model)
+    transformer.set_adapter("default")  # its tensors require grad: what trains
+    source = WeightSource(SimpleNamespace(transformer=transformer, lora=True), cfg=None)
+    assert len(source.snapshot(1, full=False)) == len(source.specs(full=False)) > 0
+    real = export.adapter_key_predicate
+
+    def misses_lost(module, adapter_name=None):
+        keep = real(module, adapter_name)
+        return lambda key: keep(key) and not key.startswith(LOST + ".")
+
+    monkeypatch.setattr(export, "adapter_key_predicate", misses_lost)
+    for call in (lambda: source.snapshot(2, full=False), lambda: source.specs(full=False)):
+        with pytest.raises(
+            AdapterMismatchError, match=rf"left out of what is handed over, of modules {LOST}\."
+        ):
+            call()
+    assert sorted(source.snapshots) == [1]
