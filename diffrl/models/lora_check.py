@@ -39,6 +39,9 @@ class AdapterMismatchError(ValueError):
         self.unexpected = list(unexpected)
         self.differing = list(differing)
 
+    def __reduce__(self):  # picklable: a worker's error crosses to the controller (Ray)
+        return (AdapterMismatchError, (str(self), self.missing, self.unexpected, self.differing))
+
 
 def module_of(key: str) -> str:
     """The module a tensor key belongs to: `blocks.0.attn.to_out.0.lora_A.default.weight` ->

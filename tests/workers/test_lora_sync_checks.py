@@ -8,6 +8,7 @@ so a monkeypatched transport applies to the receiving side.
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -116,6 +117,10 @@ def test_the_message_names_at_most_ten_modules_and_counts_the_rest():
     with pytest.raises(AdapterMismatchError, match=r"22 trained tensor\(s\) missing .* and 12 more") as err:
         check_adapter_tensors("sync", trained, arrived)
     assert str(err.value).count("blocks.") == 10
+    # a worker's error crosses processes (Ray pickles it) whole
+    again = pickle.loads(pickle.dumps(err.value))
+    assert type(again) is AdapterMismatchError and str(again) == str(err.value)
+    assert again.missing == err.value.missing and len(again.missing) == 22
 
 
 def _replica_transformer(tiny_model):
