@@ -47,11 +47,14 @@ def reward_rows(
     batch = int(pixels.shape[0])
     for spec in reward_specs(cfg.reward.functions):
         name = f"reward {spec.name}"
+        memory = _RewardMemory()
         try:
+            loading = time.perf_counter()
             reward = MultiReward([replace(spec, required=True)])
             # a remote scorer's deadline for one attempt (`HttpReward.timeout`)
             deadline = reward.rewards[spec.name].timeout if base_name(spec.name) == "http" else None
             start = time.perf_counter()
+            load_s = start - loading
             scores_B = reward(pixels, prompts, metadata, sources).scores[spec.name]
         except Exception as err:  # a reward's own failure is this check's finding, not a crash
             cause = err.__cause__ or err
@@ -66,13 +69,21 @@ def reward_rows(
             )
             continue
         seconds = time.perf_counter() - start
+        added_gb = memory.added_gb()
+        del reward
         finite = bool(torch.isfinite(scores_B).all())
         ok = scores_B.shape == (batch,) and finite and (deadline is None or seconds <= deadline)
         within = f", <= {deadline:g} s" if deadline is not None else ""
+        # what a heavy scorer (a VLM judge) costs: its speed, load time and GPU memory in this process
+        cost = f"{batch / seconds:.1f} images/s" if seconds > 0 else ""
+        if load_s >= 0.1:
+            cost += f", loaded in {load_s:.1f} s"
+        if added_gb is not None and added_gb >= 0.01:
+            cost += f", +{added_gb:.2f} GB of GPU memory at its peak"
         rows.append(
             row(
                 name,
-                f"{scores_B.numel()} scores, {'finite' if finite else 'NOT finite'}, {seconds:.2f} s",
+                f"{scores_B.numel()} scores, {'finite' if finite else 'NOT finite'}, {seconds:.2f} s ({cost})",
                 f"{batch} finite scores{within}",
                 ok,
                 f"reward.functions.{spec.name} returned {tuple(scores_B.shape)} scores for {batch} samples"
@@ -85,6 +96,23 @@ def reward_rows(
             )
         )
     return rows
+
+
+class _RewardMemory:
+    """The CUDA memory a reward adds to this process, from its load to the end of its scoring: the
+    peak allocated since it was made, less what was allocated before (None without CUDA, where a
+    reward on the CPU shares the process's memory with everything else)."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            self.before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def added_gb(self) -> float | None:
+        if not self.cuda:
+            return None
+        return (torch.cuda.max_memory_allocated() - self.before) / 1e9
 
 
 def _advantages(cfg: Config, batch: int) -> torch.Tensor:

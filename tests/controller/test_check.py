@@ -376,3 +376,37 @@ def test_the_check_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
     check("tiny_sd3", [])  # the full check: its update draws advantages too
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_rewards_row_gives_its_speed_from_its_measured_time():
+    """The reward row says how fast each reward scored (a VLM judge's cost shows before a run):
+    a scorer that takes 0.3 s for 4 samples can report at most 4 / 0.3 images/s."""
+    import re
+    from types import SimpleNamespace
+
+    import torch
+
+    from diffrl.config import load_config
+    from diffrl.controller.check_resources import reward_rows
+
+    cfg = load_config(
+        "tiny_sd3",
+        [
+            "reward.functions.python.weight=1",
+            "reward.functions.python.args.function=check_helpers:slow",
+            "reward.functions.python.args.seconds=0.3",
+        ],
+    )
+    rollout = SimpleNamespace(
+        samples=SimpleNamespace(
+            pixels=torch.zeros(4, 3, 8, 8, dtype=torch.uint8), prompt_index_B=torch.arange(4)
+        ),
+        sample_prompts=lambda: ["a"] * 4,
+        sample_metadata=lambda: [{}] * 4,
+    )
+    row = {r.check: r for r in reward_rows(cfg, rollout)}["reward python"]
+    assert not row.failed, row
+    seconds = float(re.search(r"finite, ([0-9.]+) s", row.measured).group(1))
+    speed = float(re.search(r"\(([0-9.]+) images/s", row.measured).group(1))
+    assert seconds >= 0.3 and 0 < speed <= 4 / 0.3
+    assert abs(speed - 4 / seconds) < 0.2  # both from the same measured time
