@@ -29,6 +29,7 @@ ADAPTERS: dict[str, str] = {
     "WanPipeline": "diffrl.models.wan:WanAdapter",
     "ZImagePipeline": "diffrl.models.zimage:ZImageAdapter",
     "Flux2KleinPipeline": "diffrl.models.flux2:Flux2KleinAdapter",
+    "QwenImage21Pipeline": "diffrl.models.qwen_image21:QwenImage21Adapter",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

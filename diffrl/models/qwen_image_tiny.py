@@ -62,7 +62,9 @@ _TINY_CORPUS_WORDS = (
 )
 
 
-def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int, vocab_size: int = _TINY_VOCAB_SIZE):
+def tiny_qwen2_tokenizer(
+    prompt_template: str, template_start_idx: int | None, vocab_size: int = _TINY_VOCAB_SIZE
+):
     """A byte-level BPE `Qwen2Tokenizer` built offline with the `tokenizers` library.
 
     Trained on the pipeline's prompt template (so that the template's prefix, up to the prompt or,
@@ -71,7 +73,8 @@ def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int, vocab_si
     drops exactly the template's system part) plus a few common words, to `vocab_size` tokens. The
     pre-tokenizer (Qwen2's regex split + byte level), normaliser (NFC) and decoder are the ones
     `Qwen2Tokenizer` sets itself; <|im_start|> / <|im_end|> and the other Qwen2.5-VL special
-    tokens are special tokens, <|endoftext|> pads.
+    tokens are special tokens, <|endoftext|> pads. `template_start_idx=None` skips the prefix check
+    (a pipeline that measures its prefix from the tokenizer itself, as `QwenImage21Pipeline` does).
     """
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -100,6 +103,8 @@ def tiny_qwen2_tokenizer(prompt_template: str, template_start_idx: int, vocab_si
         merges=[tuple(pair) for pair in model["merges"]],
         additional_special_tokens=list(_SPECIAL_TOKENS[1:]),
     )
+    if template_start_idx is None:
+        return tokenizer
     prefix = prompt_template.split("{}")[0].split("<|vision_start|>")[0]
     prefix_len = len(tokenizer(prefix).input_ids)
     if prefix_len != template_start_idx:
