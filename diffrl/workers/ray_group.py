@@ -2,16 +2,17 @@
 
 - `RayGroup`: the `WorkerGroup` (see `group`) of one Ray actor per worker, each in its own bundle
   of a placement group, with the distributed environment (`DIST_ENV_VARS`: rank, world size, local
-  rank, rank 0's address and a free port) that lets the workers form a torch.distributed process
-  group among themselves. It asks each actor where it runs (`learn_identities`), so a later
-  failure names the worker and quotes its last log lines (`errors`), and watches its actors
-  (`liveness`), so one that dies is noticed within about a second, busy or idle.
+  rank, the address of a store the group hosts for them: `store_host`) that lets the workers form
+  a torch.distributed process group among themselves. It asks each actor where it runs
+  (`learn_identities`), so a later failure names the worker and quotes its last log lines
+  (`errors`), and watches its actors (`liveness`), so one that dies is noticed within about a
+  second, busy or idle.
 - `ensure_ray`: the one place diffrl calls `ray.init`: a local cluster on loopback only, or an
   existing one at an address probed first.
 
 Apart from the `WorkerGroup` API and `InProcessGroup` (`group`) so that the in-process code and
 its tests read without Ray's placement, environment and cluster handling. Ray itself is imported
-only inside functions. Builds on `group`, `futures`, `liveness` and `errors`.
+only inside functions. Builds on `group`, `futures`, `liveness`, `errors` and `store_host`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from diffrl.workers import liveness
 from diffrl.workers.errors import WorkerIdentity
 from diffrl.workers.futures import RayFuture, WorkerFuture, gather
 from diffrl.workers.group import WorkerGroup, _check_reserved_names, _check_size, bound_method
+from diffrl.workers.store_host import HostedStore, host_store
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -47,6 +49,7 @@ DIST_ENV_VARS: tuple[str, ...] = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 
@@ -156,28 +159,16 @@ def _probe_address(address: str) -> None:
 _IDENTITY_TIMEOUT_S = 60.0
 
 
-def _free_port() -> int:
-    """A TCP port free on this node right now (the OS picks it; torchrun does the same)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _node_ip_and_free_port() -> tuple[str, int]:
-    """Runs as a Ray task on rank 0's node when that is not the driver's node."""
-    import ray
-
-    return ray.util.get_node_ip_address(), _free_port()
-
-
 class RayGroup(WorkerGroup):
     """`n` Ray actors of `cls`, one per placement-group bundle, wired for torch.distributed.
 
     Every actor is `ray.remote(cls).options(num_cpus=..., num_gpus=..., scheduling_strategy=<its
     bundle>, runtime_env={"env_vars": ...})`, constructed with `*args, **kwargs`. The environment
     holds `RANK`, `WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE` (position among this group's
-    workers on the same node) and `MASTER_ADDR`/`MASTER_PORT` (rank 0's node and a port free there
-    at creation), plus `env_vars` (one mapping for all ranks, or a sequence of one per rank).
+    workers on the same node), `MASTER_ADDR`/`MASTER_PORT` (a store on rank 0's node that the group
+    hosts for the ranks, diffrl.workers.store_host; loopback when the group is on one node) and
+    `TORCHELASTIC_USE_AGENT_STORE=True` (so torch's `env://` rendezvous joins that store, rank 0 as
+    well), plus `env_vars` (one mapping for all ranks, or a sequence of one per rank).
 
     With `num_gpus=1` Ray sets `CUDA_VISIBLE_DEVICES` to the actor's GPU, so a worker uses
     `cuda:0` (its only visible device), not `cuda:LOCAL_RANK`.
@@ -262,6 +253,7 @@ class RayGroup(WorkerGroup):
         self._last_call = [""] * n
         self._calls_lock = threading.Lock()
         self._watch: liveness.Watch | None = None
+        self._stores: list[HostedStore] = []  # the ranks' store (`_master_address`)
         self._owns_placement_group = placement_group is None
         if placement_group is None:
             bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus), **(resources or {})}
@@ -282,7 +274,8 @@ class RayGroup(WorkerGroup):
             self._wait_placed(placement_timeout_s, num_cpus, num_gpus)
             bundle_nodes = ray.util.placement_group_table(placement_group)["bundles_to_node_id"]
             nodes = [bundle_nodes[index] for index in bundle_indices]
-            self.master_addr, self.master_port = self._master_address(nodes[0])
+            one_node = all(node == nodes[0] for node in nodes)
+            self.master_addr, self.master_port = self._master_address(nodes[0], local=one_node)
             self.node_ids = nodes
             self.env_vars = [
                 {**per_rank_env[rank], **self._dist_env(rank, nodes)} for rank in range(n)
@@ -326,19 +319,11 @@ class RayGroup(WorkerGroup):
                 "workers or resources, or add nodes"
             )
 
-    def _master_address(self, node_id: str) -> tuple[str, int]:
-        """Rank 0's node IP and a port free on that node (probed there if it is another node)."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        if node_id == ray.get_runtime_context().get_node_id():
-            return ray.util.get_node_ip_address(), _free_port()
-        probe = ray.remote(num_cpus=0)(_node_ip_and_free_port).options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=self.bundle_indices[0]
-            )
-        )
-        return ray.get(probe.remote())
+    def _master_address(self, node_id: str, local: bool = False) -> tuple[str, int]:
+        """Host the ranks' store on rank 0's node `node_id` (diffrl.workers.store_host): its address.
+        `local`: the whole group is on that node, so the store listens on loopback."""
+        self._stores.append(host_store(node_id, self.placement_group, self.bundle_indices[0], local))
+        return self._stores[-1].address
 
     def _dist_env(self, rank: int, nodes: Sequence[str]) -> dict[str, str]:
         same_node = [r for r in range(self.size) if nodes[r] == nodes[rank]]
@@ -349,6 +334,7 @@ class RayGroup(WorkerGroup):
             "LOCAL_WORLD_SIZE": str(len(same_node)),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
 
     def _share_args(
@@ -413,7 +399,8 @@ class RayGroup(WorkerGroup):
         return learn_identities(self.actors, self.cls.__name__, timeout_s)
 
     def shutdown(self) -> None:
-        """Kill the actors (at once, running calls included) and remove our placement group."""
+        """Kill the actors (at once, running calls included), end their store, remove our placement
+        group."""
         import ray
 
         if self._watch is not None:  # first: the kills below are no deaths to report
@@ -421,6 +408,9 @@ class RayGroup(WorkerGroup):
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        for store in getattr(self, "_stores", []):  # after the ranks: they use it to their end
+            store.close()
+        self._stores = []
         if self._owns_placement_group and getattr(self, "placement_group", None) is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
