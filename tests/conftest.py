@@ -1,5 +1,6 @@
 import os
 import tempfile
+from typing import Any
 
 # Every Ray cluster a test starts stays on loopback: Ray reads this single-machine switch when first
 # imported, which test modules do at collection (diffrl.workers.ensure_ray sets it for `diffrl train`).
@@ -151,3 +152,51 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     _stop_shared_ray()
+
+
+# ------------------------------------------------------------- reliability cases that need a condition
+# A reliability case (tests/controller/test_hostile_inputs.py: an unwritable output place, a full
+# disk) needs a condition the machine may refuse (a tmpfs needs mount rights); it then skips, or
+# fails under CI=true. Each records what it needs in its report's user_properties (which reach
+# pytest-xdist's controller too), so that the summary says how many ran, how many skipped, and why.
+_CONDITION = "reliability_condition"
+
+
+def _reliability_outcomes(stats) -> dict[str, tuple[str, Any]]:
+    """nodeid -> (outcome, the report that decided it) of every case that recorded a condition:
+    a skip or a failure in any phase decides, a passed teardown does not undo it."""
+    outcomes: dict[str, tuple[str, Any]] = {}
+    for key in ("passed", "failed", "skipped", "error"):
+        for report in stats.get(key, []):
+            if not any(name == _CONDITION for name, _ in getattr(report, "user_properties", ())):
+                continue
+            before = outcomes.get(report.nodeid)
+            if before is None or before[0] == "passed":
+                outcomes[report.nodeid] = (report.outcome, report)
+    return outcomes
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    text = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    outcomes = _reliability_outcomes(terminalreporter.stats)
+    if not outcomes:
+        return
+    counts = {}
+    for outcome, _ in outcomes.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    if "skipped" not in counts:
+        counts["skipped"] = 0
+    said = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+    terminalreporter.write_sep("-", f"reliability cases that need a condition: {said}")
+    skipped = [report for outcome, report in outcomes.values() if outcome == "skipped"]
+    reasons = [_skip_reason(report) for report in skipped]
+    for reason in sorted(set(reasons)):
+        terminalreporter.write_line(f"{reasons.count(reason)} skipped: {reason}")
+    if skipped:
+        # on the last line as well: "N passed, M skipped, K reliability cases skipped (why: above)"
+        terminalreporter.stats.setdefault("reliability cases skipped (why: above)", []).extend(skipped)

@@ -4,6 +4,10 @@ holds. Each is an exit 2 at once, naming the path or key, before any worker star
 
 The commands run in a thread with a deadline, so one that blocks (the old behaviour on a FIFO)
 fails the test instead of hanging it; the FIFO is then given a writer that closes, to end the wait.
+
+An unwritable place and a full disk are conditions the machine must allow (`unwritable_folder`,
+`tmpfs`): a case that cannot get its condition skips, or fails under CI (`CI=true`), and the
+suite's summary counts these cases and says why any skipped (tests/conftest.py).
 """
 
 import contextlib
@@ -13,6 +17,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -151,15 +156,45 @@ def test_a_model_json_that_does_not_parse_is_named_with_what_is_wrong(
     assert "the model directory is damaged" in err
 
 
-# ------------------------------------------------------------------- (5) unwritable outputs
+# ------------------------------------------------------------------- conditions a case needs
+# Under CI a case whose condition cannot be made fails instead of skipping: a reliability test
+# must not pass by not running. Elsewhere it skips; either way it records what it needs, which
+# tests/conftest.py's summary counts (the report's user_properties reach pytest-xdist's controller).
+UNDER_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+CONDITION = "reliability_condition"  # the user_properties key tests/conftest.py reads
+
+
+def needs(request, condition: str) -> None:
+    request.node.user_properties.append((CONDITION, condition))
+
+
+def cannot_make(what: str, why: str) -> NoReturn:
+    message = f"cannot make {what} here: {why.rstrip('.')}"
+    if UNDER_CI:
+        pytest.fail(
+            f"{message}. Under CI (CI=true) this reliability case must run, not skip: run the job as "
+            "root with mount rights (CAP_SYS_ADMIN; a container started with --privileged or --cap-add "
+            "SYS_ADMIN)",
+            pytrace=False,
+        )
+    pytest.skip(message)
+
+
 @contextlib.contextmanager
 def tmpfs(path, options: str, what: str):
-    """A tmpfs mounted at `path` (made here) with `options` for the block; the test is skipped
-    where mounting is not allowed. Unmounted lazily, so a process still inside cannot keep it."""
+    """A tmpfs mounted at `path` (made here) with `options` for the block: the one way to a real
+    full disk (ENOSPC) here, which needs mount rights (`cannot_make` where they are refused).
+    Unmounted lazily, so a process still inside cannot keep it."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount {what} here: {mounted.stderr.decode().strip()}")
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+        )
+        why = mounted.stderr.decode().strip() or f"mount exited {mounted.returncode}"
+    except OSError as err:  # no mount command at all
+        mounted, why = None, str(err)
+    if mounted is None or mounted.returncode:
+        cannot_make(what, why)
     try:
         yield path
     finally:
@@ -173,13 +208,64 @@ def fill(disk) -> None:
             filler.write(b"x" * 4096)
 
 
+def making_a_file_fails(folder: Path) -> str | None:
+    """The OS's reason (strerror) when no file can be made in `folder`; None when one can (it is
+    removed at once)."""
+    probe = folder / f".diffrl-test-write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        return err.strerror
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def mounted_as(path: Path, fstype: str) -> bool:
+    """Whether a file system of type `fstype` is mounted at `path` (Linux's /proc/self/mountinfo)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 4 and parts[4] == str(path) and rest.split()[:1] == [fstype]:
+            return True
+    return False
+
+
 @pytest.fixture
-def read_only_dir(tmp_path):
-    """A read-only file system (a tmpfs mounted ro): root may write anywhere else, so chmod won't do."""
-    with tmpfs(tmp_path / "ro", "ro,size=1m", "a read-only tmpfs") as ro:
-        yield ro
+def unwritable_folder(tmp_path, request):
+    """(a folder no file can be made in, the OS's reason), by the first way this machine allows;
+    none needs a mount on Linux, root included (root writes through permissions, so chmod alone
+    would not do for it):
+    - /sys where sysfs is mounted there: the kernel makes no file in it for anyone ("Permission
+      denied"; "Read-only file system" where it is mounted read-only, as in most containers);
+    - for a user other than root, a folder of ours without write permission (chmod 555);
+    - a read-only tmpfs (mount rights)."""
+    needs(request, "a folder no file can be made in")
+    sys_root = Path("/sys")
+    reason = making_a_file_fails(sys_root) if mounted_as(sys_root, "sysfs") else None
+    if reason:
+        yield sys_root, reason
+        return
+    if os.geteuid() != 0:
+        folder = tmp_path / "no_write"
+        folder.mkdir()
+        folder.chmod(0o555)
+        try:
+            reason = making_a_file_fails(folder)
+            if reason:
+                yield folder, reason
+                return
+        finally:
+            folder.chmod(0o755)  # so that pytest can remove it
+    with tmpfs(tmp_path / "ro", "ro,size=1m", "a folder no file can be made in (a read-only tmpfs)") as ro:
+        yield ro, making_a_file_fails(ro)
 
 
+# ------------------------------------------------------------------- (5) unwritable outputs
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished")
@@ -205,14 +291,15 @@ def no_model_loads(monkeypatch, no_workers):
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "export", "eval", "sample"])
-@pytest.mark.parametrize("place", ["read_only", "a_file", "under_a_file"])
+@pytest.mark.parametrize("place", ["unwritable", "a_file", "under_a_file"])
 def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
     tmp_path, capsys, request, finished_run, tiny_model, no_model_loads, command, place
 ):
     blocker = tmp_path / "taken"
     blocker.write_text("keep me")
-    if place == "read_only":  # only these cases need a mount (they skip where mounting is not allowed)
-        out = request.getfixturevalue("read_only_dir") / "out"
+    if place == "unwritable":  # a folder no file can be made in, by the first way this machine allows
+        folder, reason = request.getfixturevalue("unwritable_folder")
+        out = folder / "out"
     else:
         out = {"a_file": blocker, "under_a_file": blocker / "out"}[place]
     argv = {
@@ -226,13 +313,13 @@ def test_an_unwritable_output_place_is_refused_before_any_work_naming_it(
     err = capsys.readouterr().err
     key = "trainer.output_dir=" if command in ("train", "sft") else "--out "
     why = {
-        "read_only": "cannot be written: making a file in",
+        "unwritable": "cannot be written: making a file in",
         "a_file": "is a file, not a folder",
         "under_a_file": f"lies under {blocker}, which is a file",
     }[place]
     assert f"{key}{str(out)!r} {why}" in err, err
-    if place == "read_only":
-        assert "Read-only file system" in err
+    if place == "unwritable":
+        assert f"making a file in {folder} failed ({reason})" in err, err
     assert blocker.read_text() == "keep me"
 
 
@@ -393,9 +480,10 @@ def test_sample_beyond_the_memory_limit_exits_2_before_the_model_loads(
 
 # ------------------------------------------------------------------- (6) a full disk
 @pytest.fixture
-def full_disk(tmp_path):
+def full_disk(tmp_path, request):
     """A tiny tmpfs filled up to its last block."""
-    with tmpfs(tmp_path / "disk", "size=256k", "a tmpfs") as disk:
+    needs(request, "a full disk")
+    with tmpfs(tmp_path / "disk", "size=256k", "a full disk (a tmpfs)") as disk:
         fill(disk)
         yield disk
 
@@ -449,9 +537,10 @@ def test_a_save_on_a_full_disk_says_so_keeps_the_logged_step_and_leaves_no_tempo
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, request):
     """A 16 MiB tmpfs (room for a tiny run), and a function that fills it to its last block."""
-    with tmpfs(tmp_path / "small_disk", "size=16m", "a tmpfs") as disk:
+    needs(request, "a disk to fill")
+    with tmpfs(tmp_path / "small_disk", "size=16m", "a disk to fill (a tmpfs)") as disk:
         yield disk, lambda: fill(disk)
 
 
