@@ -10,9 +10,10 @@ adapter does:
   assistant\\n`, tokenized by the processor (left padding within a call); the last decoder
   layer's output *before* the final norm is kept for the real tokens, minus the system message's
   tokens. No truncation: the pipeline has no `max_sequence_length`, so `encode_prompts` refuses a
-  prompt longer than it instead of cutting it. Only the processor's text side is used, so diffrl
-  loads it as `Qwen3VLTextProcessor` (the checkpoint's tokenizer and chat template, transformers'
-  own code) without the image and video processors, which need torchvision.
+  prompt longer than it instead of cutting it. Only the processor's text side is used; where
+  torchvision is missing (transformers 5 needs it for the processor's video part), diffrl loads
+  it as `Qwen3VLTextProcessor` (the checkpoint's tokenizer and chat template, transformers' own
+  code) without the image and video processors.
 - Transformer: single-stream and block-causal: text tokens attend causally, the image block to all
   text and itself; with `causal_condition` the text is modulated at t = 0. The 3-axis RoPE places
   the image after *all* text tokens, padding included, so padding a prompt moves the image's
@@ -129,7 +130,13 @@ class QwenImage21Adapter(ModelAdapter):
 
     @classmethod
     def loaded_components(cls, path: Path) -> dict[str, Any]:
-        """The processor's text side (`Qwen3VLTextProcessor`), loaded from the checkpoint's files."""
+        """Where torchvision is missing, the processor's text side (`Qwen3VLTextProcessor`) from the
+        checkpoint's files; otherwise diffusers loads the whole processor itself (as the edit
+        families' `loaded_components`)."""
+        from transformers.utils import is_torchvision_available
+
+        if is_torchvision_available():
+            return {}
         return {"processor": Qwen3VLTextProcessor.from_folder(Path(path) / "processor")}
 
     # ------------------------------------------------------------------------------ text

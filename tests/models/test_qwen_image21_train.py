@@ -18,7 +18,7 @@ from diffrl.config import load_config
 from diffrl.controller.check import check
 from diffrl.controller.run import train
 from diffrl.models import load_model, resolve_model_path
-from diffrl.models.qwen_image21 import Qwen3VLTextProcessor
+from diffrl.models.qwen_image21 import QwenImage21Adapter
 from diffrl.rollout.generate import generate
 from diffrl.seeding import NOISE_STREAM, generator
 from diffrl.telemetry import read_metrics
@@ -106,13 +106,12 @@ def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
         generate(adapter, PROMPTS, tmp_path / "engine", progress=False, **SAMPLE)
     expected = _pixels(tmp_path / "engine")[..., :3]
 
-    # plain diffusers: QwenImage21Pipeline's own from_pretrained (the processor's text side handed
-    # in: transformers' Qwen3VLProcessor needs torchvision) and load_lora_weights
+    # plain diffusers: QwenImage21Pipeline's own from_pretrained and load_lora_weights (with the
+    # family's `loaded_components`: the processor's text side where torchvision is missing)
     assert main(["export", str(run), "--out", str(tmp_path / "lora")]) == 0
     model_dir = resolve_model_path(cfg.model.path)
-    pipe = QwenImage21Pipeline.from_pretrained(
-        model_dir, processor=Qwen3VLTextProcessor.from_folder(model_dir / "processor"), dtype=torch.float32
-    )
+    extra = QwenImage21Adapter.loaded_components(model_dir)
+    pipe = QwenImage21Pipeline.from_pretrained(model_dir, dtype=torch.float32, **extra)
     pipe.set_progress_bar_config(disable=True)
     noise = adapter.init_noise([generator("cpu", NOISE_STREAM, 3, 0, i) for i in range(2)], 32, 32)
     base = _pipeline_pixels(pipe, noise)
