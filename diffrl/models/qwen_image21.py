@@ -46,6 +46,7 @@ adapter does:
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -88,7 +89,26 @@ class Qwen3VLTextProcessor(Qwen3VLProcessor):
             raise ValueError(
                 f"{folder} has no chat template (chat_template.jinja): it is not a Qwen3-VL processor"
             )
-        return cls(image_processor=None, tokenizer=tokenizer, video_processor=None, chat_template=template)
+        processor = cls(
+            image_processor=None, tokenizer=tokenizer, video_processor=None, chat_template=template
+        )
+        processor.source_folder = folder
+        return processor
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """The folder a real `Qwen3VLProcessor` loads (a full fine-tuning run's exported pipeline):
+        the files of the folder this was loaded from (its image and video processor configs, which
+        this class does not hold), then its tokenizer and chat template."""
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        source = getattr(self, "source_folder", None)
+        if source is not None and Path(source).resolve() != folder.resolve():
+            for file in Path(source).iterdir():
+                if file.is_file():
+                    shutil.copy2(file, folder / file.name)
+        self.tokenizer.save_pretrained(folder)
+        (folder / "chat_template.jinja").write_text(self.chat_template)
+        return [str(folder)]
 
 
 class QwenImage21Adapter(ModelAdapter):

@@ -15,7 +15,7 @@ from transformers import Qwen3VLProcessor
 from diffrl import sde
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig, ValidationConfig
 from diffrl.models import load_model
-from diffrl.models.qwen_image21 import QwenImage21Adapter
+from diffrl.models.qwen_image21 import Qwen3VLTextProcessor, QwenImage21Adapter
 from diffrl.models.qwen_image21_tiny import build_tiny
 from diffrl.rollout import TrajectorySampler
 from diffrl.transition import evaluate_step
@@ -185,6 +185,25 @@ def test_a_row_runs_at_its_own_length(adapter):
             padded = adapter.velocity(noise[:1], torch.tensor([900.0]), both[:1], 0.0, H, W)
         assert torch.equal(short, padded) and both.embeds.shape[1] > alone.embeds.shape[1]
         assert v1.shape == (1, 4, 64)
+        # why: the transformer itself, given the padded row with its mask, computes another velocity
+        real, padded_len = int(both.mask[0].sum()), both.embeds.shape[1]
+
+        def forward(length, mask):
+            img_mask = torch.zeros(1, length + 1, dtype=torch.bool)
+            img_mask[:, length:] = True  # one slot: the 2x2 latent tokens of a 32x32 image
+            with torch.no_grad():
+                return adapter.transformer(
+                    hidden_states=noise[:1],
+                    timestep=torch.tensor([0.9]),
+                    encoder_hidden_states=both.embeds[:1, :length],
+                    encoder_hidden_states_mask=mask,
+                    img_shapes=[[(1, 2, 2)]],
+                    img_mask=img_mask,
+                    return_dict=False,
+                )[0][:, -4:]
+
+        assert torch.equal(forward(real, None), short)
+        assert (forward(padded_len, both.mask[:1].bool()) - short).abs().max() > 1e-3
     finally:
         handle.remove()
     with pytest.raises(ValueError, match=r"Qwen-Image 2\.1 latent layout"):
@@ -285,6 +304,22 @@ def test_sde_log_probs_are_the_step_math(adapter):
         with torch.no_grad():
             again = evaluate_step(adapter, rollout, j)
         assert torch.equal(again.log_prob_B, rollout.samples.log_probs_BW[:, j])
+
+
+def test_the_text_processor_saves_the_folder_it_loaded(tiny_dir, tmp_path):
+    """A full fine-tuning run exports the whole pipeline: the text-only processor writes the files
+    it was loaded from (image and video processor configs included) and loads back the same."""
+    processor = Qwen3VLTextProcessor.from_folder(tiny_dir / "processor")
+    processor.save_pretrained(tmp_path / "processor")
+    names = {p.name for p in (tmp_path / "processor").iterdir()}
+    assert names == {p.name for p in (tiny_dir / "processor").iterdir()}
+    again = Qwen3VLTextProcessor.from_folder(tmp_path / "processor")
+    text = ["<|im_start|>user\na red circle<|im_end|>\n", "a cat"]
+    kwargs = dict(padding=True, padding_side="left", return_tensors="pt")
+    assert all(
+        torch.equal(v, again(text=text, **kwargs)[k]) for k, v in processor(text=text, **kwargs).items()
+    )
+    assert again.chat_template == processor.chat_template
 
 
 def test_builder_is_deterministic(tmp_path, tiny_dir):
