@@ -97,10 +97,23 @@ def _config_first(items: Sequence[str], job: str, default: str | None = None) ->
     named): a config error is found in a second, before the job imports torch, diffusers and Ray
     (10-20 s on a slow host)."""
     from diffrl.config import load_config
+    from diffrl.config.early_checks import check_model_dir
 
     source, overrides = _split_source(items)
-    load_config(source or default, overrides, job=job)
+    cfg = load_config(source or default, overrides, job=job)
+    check_model_dir(cfg.model.path)
     return source, overrides
+
+
+def _run_of(target: str) -> Path | None:
+    """The run directory (with config.yaml) that TARGET is, or is a checkpoint of
+    (RUN/checkpoints/step_N, RUN/checkpoints/best); None for anything else."""
+    path = Path(target)
+    if (path / "config.yaml").is_file():
+        return path
+    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
+        return path.parent.parent
+    return None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -158,6 +171,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    # the config evaluate.resolve_target will use: the run's, else the default preset's on the model
+    run = _run_of(args.target)
+    if run is not None:
+        _config_first([str(run / "config.yaml"), *args.overrides], "eval")
+    elif not Path(args.target).is_dir() or (Path(args.target) / "model_index.json").is_file():
+        _config_first(["default", f"model.path={args.target}", *args.overrides], "eval")
     from diffrl.controller.evaluate import evaluate
 
     evaluate(args.target, args.overrides, args.out, with_base=args.with_base)
@@ -165,6 +184,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from diffrl.config.early_checks import check_device
+
+    check_device(args.device)
+    # (a run's own config.yaml is loaded after its checkpoint is found: "no checkpoint" comes first)
+    if _run_of(args.target) is None and not (Path(args.target) / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{args.target} is neither a run directory (with config.yaml) nor a checkpoint "
+            "(RUN/checkpoints/step_N)" + ("" if Path(args.target).exists() else ": it does not exist")
+        )
     from diffrl.train.export_run import export_run
 
     out = export_run(args.target, args.out, merge=args.merge, device=args.device, best=args.best)
@@ -173,7 +201,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from diffrl.rollout.generate import FLAGS, check_device, describe_settings, generate, sampling_settings
+    from diffrl.config.early_checks import check_device, check_model_dir
 
     if args.device is not None:
         check_device(args.device)  # before anything reads the model directory
@@ -182,6 +210,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
         from diffrl.data.prompts import read_text_prompts
 
         prompts += read_text_prompts(Path(args.prompts_file), "--prompts-file")
+    if prompts and args.lora is None:  # else generate's errors for those come first, as they did
+        check_model_dir(args.model)  # the device and the model before torch and diffusers load (seconds)
+    from diffrl.rollout.generate import FLAGS, describe_settings, generate, sampling_settings
+
     given = {key: getattr(args, key) for key in FLAGS}
     settings, sources = sampling_settings(args.model, args.lora, given)
     print(f"sampling with {describe_settings(settings, sources)}")

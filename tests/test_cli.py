@@ -1,3 +1,4 @@
+import ast
 import shutil
 import subprocess
 import sys
@@ -6,6 +7,7 @@ import pytest
 
 from diffrl.cli import main
 from diffrl.config import load_config, preset_names
+from diffrl.config.early_checks import may_have_gpu
 
 
 def test_config_prints_the_default_resolved_config(capsys):
@@ -195,6 +197,79 @@ def test_parsing_and_config_import_nothing_heavy(argv):
     if argv == ["config"]:
         assert "reward:" in done.stdout, done.stdout[-2000:]
         assert "REWARDS True" in done.stderr, done.stderr[-2000:]
+
+
+def _run_light(argv: list[str], cwd) -> tuple[int, list[str], str]:
+    """(exit status, the heavy packages imported, stderr) of `diffrl ARGV` in a fresh interpreter."""
+    code = (
+        "import sys\n"
+        "from diffrl.cli import main\n"
+        "from diffrl.lazy import is_deferred\n"
+        f"rc = main({argv!r})\n"
+        "loaded = {name.split('.')[0] for name, m in list(sys.modules.items()) if not is_deferred(m)}\n"
+        "print('RC', rc, 'HEAVY', sorted(loaded & {'torch', 'diffusers', 'transformers', 'peft', 'ray'}), "
+        "file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120, cwd=cwd
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RC "), done.stderr[-2000:]
+    rc, heavy = last[3:].split(" HEAVY ")
+    return int(rc), ast.literal_eval(heavy), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["train", "model.path=/nonexistent/model"], "model.path='/nonexistent/model' is not a directory"),
+        (["train", "model.path=someorg/somemodel"], "it looks like a Hugging Face Hub id"),
+        (["check", "model.path=/nonexistent/model"], "is not a directory"),
+        (["eval", "/nonexistent/model"], "model.path='/nonexistent/model' is not a directory"),
+        (["eval", "toy:shapes", "trainer.total_steps=abc"], "trainer.total_steps='abc' has the wrong type"),
+        (["eval", "RUN", "trainer.total_steps=abc"], "trainer.total_steps='abc' has the wrong type"),
+        (["export", "/nonexistent/run", "--out", "x"], "is neither a run directory"),
+        (["export", "RUN", "--out", "x", "--device", "cdua"], "--device 'cdua' is not a device"),
+        (
+            ["sample", "--model", "/nonexistent/model", "--prompt", "a circle", "--out", "x"],
+            "is not a directory",
+        ),
+        (
+            ["sample", "--model", "toy:shapes", "--prompt", "a circle", "--device", "cuda0", "--out", "x"],
+            "cuda0",
+        ),
+        pytest.param(
+            ["sample", "--model", "toy:shapes", "--prompt", "a circle", "--device", "cuda:7", "--out", "x"],
+            "--device 'cuda:7': this machine has no CUDA device",
+            marks=pytest.mark.skipif(may_have_gpu(), reason="a GPU driver: torch counts the devices"),
+        ),
+    ],
+)
+def test_errors_found_before_the_heavy_imports(argv, expected, tmp_path):
+    """A missing model directory, a bad device name or a config error of eval/export/sample is an
+    error within a second, before torch, diffusers and Ray load (issue 52, re-walk 5: 11-21 s per
+    error). RUN: a run directory holding only the default job's config.yaml."""
+    from diffrl.config import to_yaml
+
+    (tmp_path / "RUN").mkdir()
+    (tmp_path / "RUN" / "config.yaml").write_text(to_yaml(load_config("default")))
+    rc, heavy, err = _run_light(argv, tmp_path)
+    assert (rc, heavy) == (2, []), err[-2000:]
+    assert expected in err, err[-2000:]
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_early_model_check_says_what_the_model_loader_says(tmp_path):
+    """The CLI's early refusal of a model directory and the loader's (diffrl.models.read_model_index,
+    which runs wherever a model loads) give one message."""
+    from diffrl.models import read_model_index
+
+    (tmp_path / "empty").mkdir()
+    for path in ["/nonexistent/model", "someorg/somemodel", str(tmp_path / "empty")]:
+        with pytest.raises(FileNotFoundError) as loader:
+            read_model_index(path)
+        rc, _, err = _run_light(["train", f"model.path={path}"], tmp_path)
+        assert rc == 2 and f"diffrl train: error: {loader.value}" in err, err[-2000:]
 
 
 def test_the_offline_dpo_preset_sets_rollout_n_itself(tmp_path):

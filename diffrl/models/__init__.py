@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from diffrl.config.early_checks import check_model_dir
 from diffrl.config.registries import SHIPPED_MODEL_DIRS, TINY_MODELS
 from diffrl.files import read_json_file
 from diffrl.models.base import MODEL_DIR_FIX, ModelAdapter, PromptEmbeds
@@ -45,9 +45,6 @@ def adapter_class(pipeline_class_name: str) -> type[ModelAdapter]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-#: `owner/name`, as Hugging Face Hub ids are written (a relative path of two parts looks the same:
-#: it is only called an id when no such directory exists).
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 TINY_PREFIX = "tiny:"
 TOY_PREFIX = "toy:"
 
@@ -102,29 +99,9 @@ def _mkdir(path: Path) -> Path:
 
 def read_model_index(path: str | Path) -> dict:
     """The directory's model_index.json, with clear errors for a missing directory, file or component."""
-    if not str(path):
-        raise ValueError("model.path is empty: set it to a local diffusers directory (with model_index.json)")
+    check_model_dir(path)  # a plain path: empty, missing, no model_index.json (the CLI's early check too)
     root = resolve_model_path(path)
-    if not root.is_dir():
-        text = str(path)
-        if HUB_ID.fullmatch(text):
-            local = f"models/{text.split('/')[1]}"
-            raise FileNotFoundError(
-                f"model.path={text!r} is not a directory; it looks like a Hugging Face Hub id, and diffrl loads "
-                f"local directories only (it never downloads weights). Download it once with `hf download "
-                f"{text} --local-dir {local}` (huggingface_hub's command; `hf auth login` first for a gated "
-                f"model), then set model.path={local}"
-            )
-        raise FileNotFoundError(
-            f"model.path={text!r} is not a directory: point it to a local diffusers model directory "
-            "(diffrl never downloads weights)"
-        )
     index_file = root / "model_index.json"
-    if not index_file.exists():
-        raise FileNotFoundError(
-            f"{index_file} is missing: {str(path)!r} is not a diffusers pipeline directory "
-            "(save one with pipeline.save_pretrained(dir))"
-        )
     index = read_json_file(index_file, f"model.path={str(path)!r}:", MODEL_DIR_FIX)
     if not isinstance(index, dict) or "_class_name" not in index:
         raise ValueError(f"{index_file} has no _class_name: it is not a diffusers pipeline index")

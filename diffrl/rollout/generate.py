@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from diffrl.config.early_checks import check_device
 from diffrl.config.schema import PipelineConfig, RolloutConfig, ValidationConfig
 from diffrl.data.images import MAX_CONDITION_PIXELS, ConditionImage, read_condition_image
 from diffrl.files import check_output_dir, naming, open_regular
@@ -30,25 +31,6 @@ from diffrl.telemetry.images import save_gif
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_device(device: str) -> torch.device:
-    """`device` parsed, and present on this machine: else a ValueError naming the devices there are."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"--device {device!r} is not a device name (cpu, cuda, cuda:N): {err}") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"--device {device!r}: this machine has no CUDA device; use --device cpu")
-        if parsed.index is not None and parsed.index >= count:
-            raise ValueError(
-                f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-            )
-    elif parsed.type != "cpu":
-        raise ValueError(f"--device {device!r}: diffrl sample runs on cpu or cuda[:N]")
-    return parsed
 
 
 def check_lora_dir(lora: str | Path) -> Path:
@@ -304,7 +286,7 @@ def generate(
             model, {"--steps": settings["steps"]}, {"--max-sequence-length": settings["max_sequence_length"]}
         )
         device = device or default_device()
-        parsed = check_device(device)
+        parsed = torch.device(check_device(device))
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         check_sample_memory(
             resolve_model_path(model),
