@@ -153,3 +153,19 @@ def test_the_exported_lora_file_has_the_mode_of_every_other_file(toy_run):
     assert stat.S_IMODE(lora.stat().st_mode) == stat.S_IMODE(reference.stat().st_mode)
     assert stat.S_IMODE(lora.stat().st_mode) == stat.S_IMODE((run_dir / "config.yaml").stat().st_mode)
     reference.unlink()
+
+
+def test_the_end_of_train_offers_only_what_runs_the_toy_model(toy_run):
+    """Issue 52, re-walk 1: the run printed `pipe.load_lora_weights(RUN/export)` for toy:shapes,
+    which plain diffusers cannot load. The printed lines give the reason and the `diffrl sample`
+    command (run as printed above), no diffusers call; and the reason holds: diffusers' own SD3
+    pipeline refuses the toy model's directory (no VAE)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from diffrl.models import resolve_model_path
+
+    _, printed = toy_run
+    assert "load_lora_weights" not in printed and "from_pretrained" not in printed, printed
+    assert "plain diffusers cannot run it" in printed and "without a VAE" in printed, printed
+    with pytest.raises(ValueError, match="vae"):
+        StableDiffusion3Pipeline.from_pretrained(str(resolve_model_path("toy:shapes")))
