@@ -32,6 +32,9 @@ PREFERENCE_STREAM = 12
 # (EDIT_STREAM, seed, 0, kind) picks the edits of a shapes-edit prompt file; (EDIT_STREAM, seed, 1,
 # row) draws the layout of its row (diffrl.toy.edit)
 EDIT_STREAM = 13
+# (DISTILL_STREAM, seed, step, phase, sample): a distillation sample's initial noise, student step,
+# re-noising level and noise; phase 0 is the student's update, k >= 1 the k-th fake-score update
+DISTILL_STREAM = 14
 
 
 def derive_seed(*keys: int) -> int:

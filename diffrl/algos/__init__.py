@@ -5,7 +5,8 @@ declaration holds), in the order their settings appear under `actor.loss`:
 policy gradient (a loss per SDE window step, `LossInputs` + `StepOut`): "flow_grpo", "grpo_guard",
 "flow_dppo";
 direct preference (forward process, its own inputs + the network's velocity): "diffusion_nft",
-"awm", "dpo".
+"awm", "dpo";
+distillation (a few-step student against the base as teacher, `DMDInputs`): "dmd2".
 The KL penalty (`KLLoss`) adds to any policy-gradient loss; advantage estimators: "flow_grpo".
 Rollout correction (`diffrl.algos.rollout_correction`) is plain functions, not registered.
 
@@ -13,7 +14,7 @@ Nothing here imports torch at import time (`diffrl.lazy`): the config schema rea
 declarations.
 """
 
-from diffrl.algos import advantages, flow_grpo, grpo_guard, flow_dppo, nft, dpo, awm, kl  # noqa: F401, I001  (registration on import, in this order)
+from diffrl.algos import advantages, flow_grpo, grpo_guard, flow_dppo, nft, dpo, awm, dmd2, kl  # noqa: F401, I001  (registration on import, in this order)
 from diffrl.algos.advantages import compute_flow_grpo_advantages
 from diffrl.algos.awm import AWMInputs, AWMLoss
 from diffrl.algos.base import Loss, LossInputs
@@ -33,12 +34,14 @@ from diffrl.algos.registry import (
 from diffrl.algos.spec import (
     ALGORITHMS,
     DIRECT_PREFERENCE,
+    DISTILLATION,
     LOOPS,
     PAIRS,
     POLICY_GRADIENT,
     SAMPLES,
     AlgorithmSpec,
     DirectPreferenceSpec,
+    DistillationSpec,
     PolicyGradientSpec,
     Velocities,
     algorithm,
@@ -52,6 +55,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ALGORITHMS",
     "DIRECT_PREFERENCE",
+    "DISTILLATION",
     "LOOPS",
     "PAIRS",
     "POLICY_GRADIENT",
@@ -63,6 +67,7 @@ __all__ = [
     "DPOLoss",
     "DiffusionNFTLoss",
     "DirectPreferenceSpec",
+    "DistillationSpec",
     "FlowDPPOLoss",
     "FlowGRPOLoss",
     "GRPOGuardLoss",

@@ -13,13 +13,15 @@ metrics; the trainers, the run driver and the config schema ask the declaration,
         needs_old_mean=True,                   # LossInputs.old_mean is filled
     ))
 
-Two kinds of entries, one per loop, because the two loss signatures differ:
+Three kinds of entries, one per loop, because the loss signatures differ:
 
 - `PolicyGradientSpec`: the loss scores the SDE transitions of the rollout (one call per window
   step, `LossInputs` + `diffrl.sde.StepOut`), fed by `diffrl.controller.policy_gradient`;
 - `DirectPreferenceSpec`: the loss noises clean samples afresh (the forward process), fed by
   `diffrl.controller.direct_preference`; its `term` computes one micro-batch's loss at one noise
   level from the network's velocities (`Velocities`), which the shared accumulation loop calls.
+- `DistillationSpec`: a few-step student trained against the base model as teacher (adapters off)
+  and auxiliary adapters of its own (DMD2's fake score), fed by `diffrl.controller.distillation`.
 
 The KL-to-reference penalty is not an algorithm (it adds to any policy-gradient loss when
 `actor.loss.kl_coef > 0`): it is `diffrl.algos.kl.KLLoss`, outside this table.
@@ -39,6 +41,7 @@ from typing import Any, ClassVar, Protocol
 from diffrl.config.registries import (
     ALGORITHMS,
     DIRECT_PREFERENCE,
+    DISTILLATION,
     LOOPS,
     PAIRS,
     POLICY_GRADIENT,
@@ -54,12 +57,14 @@ from diffrl.config.registries import (
 __all__ = [
     "ALGORITHMS",
     "DIRECT_PREFERENCE",
+    "DISTILLATION",
     "LOOPS",
     "PAIRS",
     "POLICY_GRADIENT",
     "SAMPLES",
     "AlgorithmSpec",
     "DirectPreferenceSpec",
+    "DistillationSpec",
     "PolicyGradientSpec",
     "Velocities",
     "algorithm",
@@ -151,6 +156,22 @@ class DirectPreferenceSpec(AlgorithmSpec):
             raise ValueError(
                 f"algorithm {self.name!r}: trains_on={self.trains_on!r} must be {SAMPLES!r} or {PAIRS!r}"
             )
+
+
+@dataclass(frozen=True)
+class DistillationSpec(AlgorithmSpec):
+    """A few-step student distilled from the base (the teacher, adapters off), fed by
+    `diffrl.controller.distillation`.
+
+    loss:         computes the student's loss from its inputs (`compute(inputs, loss_cfg)`)
+    fake_metrics: the names the auxiliary adapters' updates report, logged under `actor/`
+    adapters:     the LoRA adapters it trains besides the student (the trained `default` one)
+    """
+
+    loop: ClassVar[str] = DISTILLATION
+
+    fake_metrics: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
 
 
 def uses_old_adapter(loss_cfg: Any) -> bool:

@@ -31,8 +31,9 @@ from diffrl.registry import Registry
 
 POLICY_GRADIENT = "policy_gradient"
 DIRECT_PREFERENCE = "direct_preference"
+DISTILLATION = "distillation"
 #: The loops, i.e. the values of `algorithm.trainer_type`.
-LOOPS = (POLICY_GRADIENT, DIRECT_PREFERENCE)
+LOOPS = (POLICY_GRADIENT, DIRECT_PREFERENCE, DISTILLATION)
 
 #: What a direct-preference loss trains on: clean samples with their advantages, or preference
 #: pairs (the only kind an offline dataset provides).
