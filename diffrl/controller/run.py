@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import OmegaConf
@@ -30,6 +30,7 @@ from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate
 from diffrl.controller.policy_gradient import PolicyGradientTrainer
 from diffrl.controller.preflight import preflight, run_plan
+from diffrl.controller.restarts import run_with_restarts
 
 # The run folder (diffrl.controller.run_folder); its names are re-exported here for callers of run.
 from diffrl.controller.run_folder import (
@@ -234,6 +235,9 @@ def placement_session(cfg: Config, plan: RunPlan | None = None) -> Iterator[tupl
         yield placement, rewards
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class Job:
     """A started run: its directory, the checkpoint it resumes from, workers, rewards and logger."""
@@ -246,18 +250,50 @@ class Job:
     plan: RunPlan
 
 
-@contextmanager
-def job(cfg: Config, source: str | None, *, rl: bool = False, plan: RunPlan | None = None) -> Iterator[Job]:
+def run_job(
+    cfg: Config,
+    source: str | None,
+    body: Callable[[Job, dict[str, Any]], T],
+    *,
+    rl: bool = False,
+    plan: RunPlan | None = None,
+) -> T:
     """Own the run directory (`run_folder`), print the run plan (`plan`, resolved here when not
     given: `rl` a training job, else a supervised one), start the workers (`rl`: the configured
-    placement) and the loggers; stop them on exit."""
+    placement) and the loggers, and return `body(job, state)`; stop them on exit. After a worker
+    death, with trainer.max_restarts, the workers start again and `body` runs again on the newest
+    complete checkpoint (`restarts.run_with_restarts`: `state["restarted"]` says so, and `body`
+    puts its loop in `state["loop"]`, whose step names the failed one)."""
+    plan = plan or run_plan(cfg, "train" if rl else "sft")
+    with run_folder(cfg, source) as folder:
+        print("\n".join(plan.lines()), flush=True)  # after the run's first line, before workers start
+
+        def once(checkpoint: Path | None, state: dict[str, Any]) -> T:
+            with attempt(cfg, folder, checkpoint, rl=rl, plan=plan, restarted=state["restarted"]) as j:
+                return body(j, state)
+
+        return run_with_restarts(cfg, folder.path, folder.checkpoint, once)
+
+
+@contextmanager
+def attempt(
+    cfg: Config,
+    folder: RunFolder,
+    checkpoint: Path | None,
+    *,
+    rl: bool,
+    plan: RunPlan,
+    restarted: bool = False,
+) -> Iterator[Job]:
+    """One start of the workers and the loggers in a run folder this process holds, resuming
+    `checkpoint`; stops them on exit. A run restarted after a worker death (trainer.max_restarts,
+    diffrl.controller.restarts) has one attempt per start in the same folder (`restarted`: not
+    the first, so what the earlier ones logged also keeps the folder on a failure)."""
     from diffrl.telemetry import RunLogger
 
-    plan = plan or run_plan(cfg, "train" if rl else "sft")
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    earlier = folder.recorded if restarted else (lambda: False)
     with ExitStack() as stack:
-        folder = stack.enter_context(run_folder(cfg, source))
-        print("\n".join(plan.lines()), flush=True)  # after the run's first line, before workers start
         session = placement_session(cfg, plan) if rl else worker_session(cfg, plan)
         workers, rewards = stack.enter_context(session)
         logger = stack.enter_context(
@@ -270,8 +306,9 @@ def job(cfg: Config, source: str | None, *, rl: bool = False, plan: RunPlan | No
                 wandb_project=cfg.trainer.project_name,
             )
         )
-        folder.recorded = lambda: logger.last_step is not None  # a failure keeps a run that logged a step
-        yield Job(folder.path, folder.checkpoint, workers, rewards, logger, plan)
+        # a failure keeps a run that logged a step (in this attempt or an earlier one)
+        folder.recorded = lambda: logger.last_step is not None or earlier()
+        yield Job(folder.path, checkpoint, workers, rewards, logger, plan)
 
 
 def run_loop(loop: TrainingLoop, checkpoint: Path | None, plan: RunPlan | None = None) -> dict[str, Any]:
@@ -303,8 +340,11 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
         from diffrl.controller.check import check_at_start
 
         checked = check_at_start(cfg, train_records, val_records, plan=plan)
-    with job(cfg, source, rl=True, plan=plan) as j:
-        if checked is not None:  # after the run's first line, which says where to look
+
+    def body(j: Job, state: dict[str, Any]) -> tuple[Job, TrainingLoop]:
+        if (
+            checked is not None and not state["restarted"]
+        ):  # after the run's first line, which says where to look
             print(checked, flush=True)
         loop_args = dict(
             placement=j.workers,
@@ -321,11 +361,15 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
             trainer = PolicyGradientTrainer(
                 cfg, j.run_dir, reuse_rollout_log_probs=plan.reuses_rollout_log_probs, plan=plan, **loop_args
             )
+        state["loop"] = trainer
         write_json(j.run_dir / "summary.json", run_loop(trainer, j.checkpoint, plan))
         export_final_weights(j.workers.trainer, j.run_dir, cfg)
         if cfg.trainer.keep_best and (best := best_checkpoint(j.run_dir / "checkpoints")) is not None:
             export_final_weights(j.workers.trainer, j.run_dir, cfg, checkpoint=best)  # RUN/export_best
         print_report(j)
+        return j, trainer
+
+    j, trainer = run_job(cfg, source, body, rl=True, plan=plan)
     if trainer.stopped is not None:  # after the exports and the report: the run ended cleanly
         raise HealthStop(trainer.stopped)
     return j.run_dir
@@ -346,12 +390,12 @@ __all__ = [
     "RunFolder",
     "check_checkpoint",
     "find_checkpoint",
-    "job",
     "link_latest",
     "placement_session",
     "prepare_run",
     "print_report",
     "run_folder",
+    "run_job",
     "run_loop",
     "train",
     "worker_session",

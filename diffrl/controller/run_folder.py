@@ -1,7 +1,7 @@
 """A run's directory while one process owns it: created if new, locked (flock on RUN/.lock), the
 checkpoint to resume checked against the config, removed again when a new run fails before its
 first record, and trainer.output_dir/latest pointed at it (`run_folder`, used by
-diffrl.controller.run.job). Stdlib and small files only: nothing here loads a model.
+diffrl.controller.run.run_job). Stdlib and small files only: nothing here loads a model.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from diffrl.config import load_config
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.preflight import preflight_common
-from diffrl.controller.run import job, print_report, run_loop
+from diffrl.controller.run import Job, print_report, run_job, run_loop
 from diffrl.data import PromptRecord, PromptSampler
 from diffrl.data.images import load_image_rows, open_image
 from diffrl.files import check_output_dir, write_json
@@ -282,7 +282,8 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
     if (note := cpu_job_note(cfg, torch.cuda.is_available())) is not None:
         print(note, flush=True)
     train_records, val_records = preflight(cfg)
-    with job(cfg, source) as j:
+
+    def body(j: Job, state: dict[str, Any]) -> tuple[Job, SupervisedTrainer]:
         trainer = SupervisedTrainer(
             cfg,
             j.run_dir,
@@ -292,6 +293,7 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
             val_records=val_records,
             logger=j.logger,
         )
+        state["loop"] = trainer
         summary = run_loop(trainer, j.checkpoint, j.plan)
         grammar = "shapes" if cfg.sft.images == SHAPES else None  # trained on the shapes world's prompts
 
@@ -316,6 +318,9 @@ def sft(source: str | None, overrides: Sequence[str] = ()) -> Path:
         command += ["--out", str(j.run_dir / "samples")]
         print(f"model written to {model}\n  sample from it: {shlex.join(command)}")
         print_report(j)
+        return j, trainer
+
+    j, trainer = run_job(cfg, source, body)
     if trainer.stopped is not None:  # trainer.health.stop_on, after the export and the report
         raise HealthStop(trainer.stopped)
     return j.run_dir

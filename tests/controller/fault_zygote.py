@@ -51,7 +51,7 @@ ZYGOTE = textwrap.dedent(
         what, at, signame = kill["at"], kill.get("call", 1), kill.get("signal")
         calls = [0]
         if what in ("actor", "reward", "trainer", "replica"):
-            return kill_worker(what, kill.get("rank", 1), kill.get("when", "start"))
+            return kill_worker(what, kill.get("rank", 1), kill.get("when", "start"), kill.get("step", 1))
         if what == "rollout":  # the at-th decoded micro-batch handed to the reward workers
             owner, name = diffrl.workers.reward_workers.InProcessRewardWorkers, "submit"
         elif what == "update":  # entering the at-th optimizer step (earlier ones of the step are done)
@@ -127,8 +127,9 @@ ZYGOTE = textwrap.dedent(
                 sys.stderr.write(report.read())
             os.unlink(REPORT)
 
-    def kill_worker(what, rank=1, when="start"):
-        # SIGKILL a worker process once, in step 1: a colocated actor ("actor", rank 1), a reward
+    def kill_worker(what, rank=1, when="start", step=1):
+        # SIGKILL a worker process once, in step `step` (the first time the run reaches it: a run
+        # that restarts itself runs that step again without a kill): a colocated actor ("actor", rank 1), a reward
         # actor ("reward"), a separate placement's trainer rank ("trainer") or rollout replica
         # ("replica"). when="start": as the step starts; "streaming": as the step's rollout is in
         # (one_step_off: the next batch's requests were just sent to the replicas); "sync" (a
@@ -140,7 +141,7 @@ ZYGOTE = textwrap.dedent(
         import ray
         from diffrl.controller.policy_gradient import PolicyGradientTrainer
 
-        pids = []
+        pids, killed = [], []
         original_step, original_rollout = PolicyGradientTrainer.train_step, PolicyGradientTrainer.rollout_for_step
 
         def kill():
@@ -151,7 +152,7 @@ ZYGOTE = textwrap.dedent(
             sys.stderr.flush()
 
         def train_step(self):
-            if self.step == 1:
+            if self.step == step and not pids:
                 if what == "reward":
                     actor = self.rewards.actors[0]
                 elif what == "replica":
@@ -170,7 +171,8 @@ ZYGOTE = textwrap.dedent(
 
         def rollout_for_step(self, *args, **kwargs):
             result = original_rollout(self, *args, **kwargs)
-            if when == "streaming" and self.step == 1:
+            if when == "streaming" and self.step == step and len(pids) == 1 and not killed:
+                killed.append(True)
                 kill()
             return result
 

@@ -9,6 +9,7 @@ time (tests/controller/fault_zygote.py, shared with test_fault_injection_gpu.py)
 """
 
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -127,6 +128,46 @@ def test_a_dead_worker_ends_the_run_naming_it(zygote, tmp_path, kill, message):
     ]
     tag, log = run_until_killed(zygote, argv, {"at": kill}, message)
     assert wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
+    assert "restarting from" not in log and not (tmp_path / "dead" / "restarts.jsonl").exists()
+
+
+def test_a_run_with_max_restarts_resumes_after_a_dead_worker_and_logs_the_uninterrupted_metrics(
+    zygote, tmp_path
+):
+    """trainer.max_restarts=1: HybridWorker rank 1 is killed as step 2 starts; the run starts its
+    workers again, resumes from step 1's checkpoint and ends as an uninterrupted run does (exit 0,
+    the same metrics, each step once), with the restart on the terminal and in restarts.jsonl and
+    none of the dead attempt's processes left."""
+    two_workers = [
+        "train",
+        *ARGS,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.total_steps=3",
+        "trainer.n_gpus_per_node=2",
+        "actor.strategy=fsdp2",
+        "trainer.loggers=[jsonl]",
+    ]
+    assert zygote([*two_workers, "trainer.run_name=full"]) == 0, zygote.log.read_text()[-3000:]
+    tag = f"DIFFRL_FAULT_{uuid.uuid4().hex}"
+    earlier = len(zygote.log.read_text())
+    restarting = [*two_workers, "trainer.run_name=restarted", "trainer.max_restarts=1"]
+    code = zygote(restarting, kill={"at": "actor", "step": 2}, env={tag: "1"})
+    log = zygote.log.read_text()[earlier:]
+    assert code == 0, log[-3000:]
+    assert re.search(
+        r"HybridWorker rank 1 on node \S+ \(pid \d+\) died at step 2: restarting from checkpoint step 1 "
+        r"\(restart 1 of 1\)",
+        log,
+    ), log[-3000:]
+    run_dir = tmp_path / "restarted"
+    (record,) = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert (record["restart"], record["failed_step"], record["resumed_step"]) == (1, 2, 1), record
+    assert "HybridWorker rank 1 (of 2)" in record["error"], record["error"]
+    expected, got = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
+    assert _steps_of_lines(run_dir) == [1, 2, 3]  # step 2 of the dead attempt was never logged
+    for step in (1, 2, 3):
+        assert comparable(got[step]) == pytest.approx(comparable(expected[step]), rel=1e-6, abs=1e-9), step
+    assert wait_gone(tag, log, 20) == {}, "processes of the dead attempt were left behind"
 
 
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")

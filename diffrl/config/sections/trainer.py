@@ -50,6 +50,9 @@ class TrainerConfig:
     seed: int = 42
     check_at_start: bool = True  # `diffrl check --quick` before the run starts (docs/check.md)
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient
+    # after a worker or node death, start the workers again and resume from the newest complete
+    # checkpoint (step 0 when none yet) up to this many times; 0 = the run ends, naming the worker
+    max_restarts: int = 0
     # steps run under torch.profiler: each worker's trace and a summary in <run>/profile/step_<N>/
     profile_steps: list[int] = field(default_factory=list)
     health: HealthConfig = field(default_factory=HealthConfig)  # the run-health watchdog
@@ -91,6 +94,7 @@ class TrainerConfig:
         require_at_least(f"{at}.nnodes", self.nnodes, 1)
         require_at_least(f"{at}.seed", self.seed, 0)
         require_at_least(f"{at}.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        require_at_least(f"{at}.max_restarts", self.max_restarts, 0)
         for step in self.profile_steps:
             require(
                 isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= self.total_steps,
