@@ -363,9 +363,72 @@ def resolve_plan(cfg: Any, machine: Machine | None = None, *, job: str = "train"
         weight_sync_backend=weight_sync_backend(cfg, machine.accelerator) if separate else None,
     )
     check_attention_backend(plan.attn_backend)
+    check_fp8(cfg, plan, machine.accelerator)
     if rl:
         check_plan(cfg, plan)
     return plan
+
+
+#: The torchao release `model.fp8` is built and tested with: the latest on PyPI, built for torch
+#: 2.11 and newer (its compiled extensions load on torch >= 2.11), which the GPU machines' 2.11 and
+#: the CPU's 2.13 both run. pyproject.toml's `fp8` extra asks for it.
+FP8_TORCHAO = "0.18.0"
+FP8_INSTALL = f"pip install torchao=={FP8_TORCHAO} (or pip install 'diffrl[fp8]')"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def torchao_problem(mode: str) -> str | None:
+    """Why `model.fp8=mode` cannot run in this Python: torchao missing or older than
+    `FP8_TORCHAO` (a sentence naming the install command), or None. Looks torchao up without
+    importing it."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return f"model.fp8={mode} needs torchao, which is not installed: {FP8_INSTALL}, or set model.fp8=none"
+    try:
+        version = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # a source checkout on the path: its version is unknown, take it as it is
+    if _release(version) < _release(FP8_TORCHAO):
+        return (
+            f"model.fp8={mode} needs torchao {FP8_TORCHAO} or newer (the release built for torch >= 2.11), "
+            f"but torchao {version} is installed: {FP8_INSTALL}, or set model.fp8=none"
+        )
+    return None
+
+
+def check_fp8(cfg: Any, plan: RunPlan, accelerator: str) -> None:
+    """`model.fp8` against the machine and the plan, before any worker starts: float8 GEMMs need
+    a GPU (the worker checks its compute capability, diffrl.train.fp8.check_device) and torchao;
+    sampling in float8 while the trainer computes in 16 bits makes the rollout's log-probs other
+    than the trainer's, so they cannot serve as PPO's old ones."""
+    mode = cfg.model.fp8
+    if mode == "none":
+        return
+    if accelerator != "cuda":
+        raise ConfigError(
+            f"model.fp8={mode} runs float8 GEMMs on a GPU with float8 tensor cores (compute capability "
+            f"8.9 or newer: L4, L40S, H100, H200, B200), but this run's workers have no GPU "
+            f"(accelerator {accelerator}): set model.fp8=none"
+        )
+    problem = torchao_problem(mode)
+    if problem:
+        raise ConfigError(problem)
+    if mode == "sampling" and plan.reuses_rollout_log_probs:
+        raise ConfigError(
+            "model.fp8=sampling with algorithm.old_log_probs=rollout: the sampler's float8 GEMMs give "
+            "velocities other than the trainer's 16-bit ones, so the rollout's SDE log-probabilities are "
+            "not the trainer's and PPO's ratio would start off 1. Set algorithm.old_log_probs=auto (it "
+            "recomputes them as the update runs), or model.fp8=all (sampler and trainer both in float8)"
+        )
 
 
 def check_plan(cfg: Any, plan: RunPlan) -> None:
@@ -409,6 +472,7 @@ def check_plan(cfg: Any, plan: RunPlan) -> None:
 
 
 __all__ = [
+    "FP8_TORCHAO",
     "PLAN_FILE",
     "REPLICATE_MAX_WEIGHT_SHARE",
     "STRATEGIES",
@@ -417,11 +481,13 @@ __all__ = [
     "StrategyChoice",
     "attention_backend",
     "check_attention_backend",
+    "check_fp8",
     "choose_strategy",
     "old_log_probs_source",
     "replica_passes",
     "request_size",
     "resolve_plan",
     "staleness",
+    "torchao_problem",
     "weight_sync_backend",
 ]

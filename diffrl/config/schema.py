@@ -355,6 +355,7 @@ class Config:
         the update does, so the ratio starts at exactly 1 (diffrl.train.replay). Sampling with the
         adapter merged into the weights (model.lora.merge_inference) recomputes: the merged matmul
         rounds differently from the adapter's, and the recompute runs the adapter as the update does.
+        Sampling in float8 while the trainer computes in 16 bits (model.fp8=sampling) recomputes too.
 
         Separate placement recomputes: a replica runs its own copy of the module (no FSDP
         mixed-precision casts), and in one_step_off (bounded) mode it
@@ -369,6 +370,7 @@ class Config:
             self.actor.replay_steps_per_forward > 1
             or self.trainer.placement == "separate"
             or self.model.lora.merge_inference
+            or self.model.fp8 == "sampling"
         ):
             return False
         return (

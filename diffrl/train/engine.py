@@ -110,6 +110,10 @@ class TrainEngine:
             if with_reference if with_reference is not None else actor_cfg.loss.kl_coef > 0:
                 # A frozen copy of the base weights, on the same device.
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if model_cfg.fp8 != "none":  # after LoRA (only base layers convert), before sharding and compile
+            from diffrl.train import fp8
+
+            fp8.prepare(adapter, model_cfg.fp8, reference=self.reference)
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if strategy is None:

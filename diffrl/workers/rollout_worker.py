@@ -24,6 +24,7 @@ from diffrl.models import load_model
 from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
+from diffrl.train import fp8
 from diffrl.train.lora import inject_lora, merged_adapter
 from diffrl.train.policies import OLD, POLICY, window_log_probs
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
@@ -102,10 +103,14 @@ class RolloutWorker(ProfiledWorker):
             adapter.transformer.requires_grad_(False)
             if computes_as_trained(cfg):
                 as_trained_replica(adapter, cfg.actor.micro_batch_size)
+            fp8.prepare(adapter, cfg.model.fp8)  # the trainer's conversion (TrainEngine), before compile
             if cfg.model.compile:
                 adapter.compile_blocks()
         self.adapter = adapter
-        self._use_policy = use_policy or self._set_adapter
+        # model.fp8=sampling: float8 GEMMs for the passes that sample (rollouts, validation) only
+        self._use_policy = fp8.for_sampling(
+            use_policy or self._set_adapter, adapter.transformer, cfg.model.fp8
+        )
         self.sampler = TrajectorySampler(
             self.adapter, cfg.rollout, progress=False, log_probs_reused=reuses_log_probs(cfg)
         )

@@ -45,12 +45,30 @@ class ModelConfig:
     # (FLUX's flash attention, whose backward cuDNN fails), torch's default (`native`) elsewhere
     attn_backend: str = "auto"
     compile: bool = False  # torch.compile each transformer block (regional): faster after a warmup
+    # float8 GEMMs (torchao, rowwise scaling) for the transformer blocks' linear layers (not the
+    # LoRA adapters, norms' modulation or attention itself): `none`; `sampling`, the sampler's
+    # passes only; `all`, also the reference pass and the update's forward and backward. GPUs of
+    # compute capability 8.9+ (diffrl.train.fp8)
+    fp8: str = "none"
 
     DTYPES = ("float32", "bfloat16", "float16")
+    FP8_MODES = ("none", "sampling", "all")
 
     def validate(self, at: str) -> None:
         require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
         self.lora.validate(f"{at}.lora")
+        # YAML reads a bare off/on/false/true as a boolean, which lands here as 'False' or 'True'
+        boolean = (
+            "; off and on read as booleans in YAML: write none for no float8"
+            if self.fp8 in ("False", "True")
+            else ""
+        )
+        require(
+            self.fp8 in self.FP8_MODES,
+            f"{at}.fp8",
+            self.fp8,
+            f"must be one of 'none', 'sampling', 'all'{boolean}",
+        )
         if self.attn_backend not in ("auto", "native"):
             # diffusers' list of backends costs seconds of imports; auto and its default need no check
             from diffusers.models.attention_dispatch import AttentionBackendName
