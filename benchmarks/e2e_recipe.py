@@ -29,6 +29,11 @@ a measured step's. Peak memory is the worker's `perf/max_memory_allocated_gb` ov
     python benchmarks/e2e_recipe.py --gpus 1 2 4              # scaling, same per-GPU batch
     python benchmarks/e2e_recipe.py --recipe lean --gpus 2 --splits 1+1   # placements on 2 GPUs
     python benchmarks/e2e_recipe.py --recipe flow_grpo --profile   # + a profiled step (JSON "profile")
+    python benchmarks/e2e_recipe.py --recipe flow_grpo --set model.fp8=all   # float8 GEMMs (torchao)
+
+With `--set model.fp8=sampling` the old log-probs are recomputed (the sampler's float8 ones are not
+the trainer's), and each run's `rollout_correction` holds the per-step log-prob gap between them;
+`fp8` and `torchao` say what ran.
 """
 
 from __future__ import annotations
@@ -168,7 +173,29 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
     if args.profile:
         summary["profile"] = profile_summary(run_dir, total)
         summary["kernel_share"] = kernel_share(summary)
-    return {**summary, "gpus": gpus, "replicas": replicas, "strategy": strategy, "wall_s": wall}
+    return {
+        **summary,
+        "gpus": gpus,
+        "replicas": replicas,
+        "strategy": strategy,
+        "fp8": fp8_mode(overrides),
+        "wall_s": wall,
+    }
+
+
+def fp8_mode(overrides: list[str]) -> str:
+    """`model.fp8` as the overrides leave it (the last one wins; the recipes' default is none)."""
+    values = [o.partition("=")[2] for o in overrides if o.startswith("model.fp8=")]
+    return values[-1] if values else "none"
+
+
+def torchao_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def sample_at_own_batch() -> None:
@@ -288,6 +315,7 @@ def main() -> None:
                 "bench": "e2e_recipe",
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "torch": torch.__version__,
+                "torchao": torchao_version(),
                 "warmup_steps": args.warmup,
                 "measured_steps": args.steps,
                 "overrides": args.set,

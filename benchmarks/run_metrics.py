@@ -57,6 +57,13 @@ def summarise_run(run_dir: Path, warmup: int, measured_steps: int | None = None)
         # clipfrac then measure how far the old log-probs are from the trainer's own (0 when exact)
         "ratio_std": [r.get("actor/ratio_std") for r in records],
         "clipfrac": [r.get("actor/clipfrac") for r in records],
+        # the sampler's log-probs against the trainer's recomputed old ones, per step (logged when
+        # the old log-probs are recomputed: model.fp8=sampling, rollout correction, ...); {} otherwise
+        "rollout_correction": {
+            key: [r.get(f"rollout_correction/{key}") for r in records]
+            for key in ("abs_logp_diff_mean", "abs_logp_diff_max", "kl")
+            if any(f"rollout_correction/{key}" in r for r in records)
+        },
     }
 
 

@@ -62,3 +62,21 @@ def test_a_separate_split_runs_quietly_and_reports_its_gpus(tmp_path):
     assert len(run["step_s_each"]) == 2 and run["images_per_s_per_gpu"] > 0
     noise = [n for n in NOISE if n in done.stdout + done.stderr]
     assert noise == [], done.stderr[-3000:]
+
+
+def test_fp8_runs_report_their_mode_and_the_sampler_trainer_gap(tmp_path):
+    from run_metrics import summarise_run
+
+    assert e2e_recipe.fp8_mode(["model.path=/m", "model.fp8=sampling", "model.fp8=all"]) == "all"
+    assert e2e_recipe.fp8_mode(["model.compile=true"]) == "none"
+    step = {"timing_s/step": 2.0, "throughput/images_per_s_per_gpu": 4.0, "timing_s/gen": 1.0}
+    gap = {"rollout_correction/abs_logp_diff_mean": 0.01, "rollout_correction/kl": 1e-4}
+    lines = [step, {**step, **gap}, {**step, **gap, "rollout_correction/kl": 2e-4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    summary = summarise_run(tmp_path, warmup=1)
+    assert summary["rollout_correction"] == {
+        "abs_logp_diff_mean": [None, 0.01, 0.01],
+        "kl": [None, 1e-4, 2e-4],
+    }
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(step) + "\n" + json.dumps(step) + "\n")
+    assert summarise_run(tmp_path, warmup=1)["rollout_correction"] == {}  # not recomputed: no gap logged
