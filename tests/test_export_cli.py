@@ -14,6 +14,7 @@ diffrl's sampler. Against it:
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +277,26 @@ def test_export_of_a_training_run_whose_newest_checkpoint_is_pruned_while_loadin
     assert calls == ["step_00000001", "step_00000002"]
     info = json.loads((tmp_path / "lora" / "diffrl_export.json").read_text())
     assert info["checkpoint"] == str(step_2) and info["step"] == 2
+
+
+def test_sample_lora_stops_naming_a_module_the_pipeline_did_not_bind(run, tmp_path, capsys):
+    """`diffrl sample --lora`: a tensor of the file that diffusers' loader leaves unbound (here a
+    module renamed to one the transformer does not have, as a key conversion that skips a module
+    would leave it) stops the command naming the module, instead of sampling without it."""
+    from safetensors.torch import load_file, save_file
+
+    lora = tmp_path / "lora"
+    shutil.copytree(run / "export", lora)
+    tensors = load_file(lora / LORA_FILE)
+    moved = sorted({k.rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})[0]
+    renamed = {
+        k.replace(f"{moved}.", f"{moved}_gone.", 1) if k.startswith(f"{moved}.") else k: v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, lora / LORA_FILE)
+    argv = ["sample", "--model", "tiny:sd3" if "sd3" in str(run) else "tiny:flux", "--lora", str(lora)]
+    argv += ["--prompt", PROMPTS[0], "-n", "1", "--steps", "2", "--height", "32", "--width", "32"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{moved.split('.', 1)[1]}_gone" in err and "missing from the pipeline" in err, err
+    assert not list((tmp_path / "out").glob("*.png")), "nothing is sampled without the module"

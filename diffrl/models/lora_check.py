@@ -15,7 +15,9 @@ names it reasons about are peft's, as the families inject them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -139,10 +141,55 @@ def require_trained_covered(
         )
 
 
+def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str) -> int:
+    """After `pipe.load_lora_weights(..., adapter_name=adapter_name)`: raise AdapterMismatchError
+    unless every adapter tensor of `lora_file` is bound in the pipeline under `adapter_name`, with
+    its shape, and nothing else is; returns the number of tensors bound.
+
+    diffusers warns about keys it cannot place and may drop a module whose name it does not
+    convert, then samples on: the base model's behaviour for that module. A file in diffusers' own
+    key form (`<component>.<module>.lora_A.weight`, what `diffrl export` and `save_lora_weights`
+    write) is compared name by name; a file in another form (kohya's `lora_unet_*`, `lora_down`,
+    which diffusers converts) cannot be mapped back, so for it only "at least one module bound" is
+    required. Only the safetensors header is read (shapes), no tensor."""
+    from safetensors import safe_open
+
+    with safe_open(str(lora_file), framework="pt") as handle:
+        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
+    bound: dict[str, tuple[int, ...]] = {}
+    components = {}
+    for name in getattr(pipe, "components", {}):
+        component = getattr(pipe, name, None)
+        if isinstance(component, torch.nn.Module):
+            components[name] = component
+            for key, value in component.state_dict().items():
+                parts = key.split(".")
+                if any(a in ADAPTER_PARTS and b == adapter_name for a, b in itertools.pairwise(parts)):
+                    peft_form = key.replace(f".{adapter_name}.", ".", 1)
+                    bound[f"{name}.{peft_form}"] = tuple(value.shape)
+    where = f"loading {lora_file} into {type(pipe).__name__}"
+    fix = "the LoRA does not fit this model (another base model or family?), or diffusers does not convert its key format"
+    if not bound:
+        raise AdapterMismatchError(
+            f"{where}: no module of the LoRA was bound ({len(shapes)} tensor(s) in the file). {fix}",
+            sorted(shapes),
+            [],
+            [],
+        )
+    diffusers_form = all(
+        key.split(".", 1)[0] in components and any(part in ADAPTER_PARTS for part in key.split("."))
+        for key in shapes
+    )
+    if diffusers_form:
+        check_adapter_tensors(where, shapes, bound, side="the pipeline", fix=fix)
+    return len(bound)
+
+
 __all__ = [
     "ADAPTER_PARTS",
     "AdapterMismatchError",
     "check_adapter_tensors",
+    "check_lora_file_bound",
     "module_of",
     "require_trained_covered",
     "shapes_of",

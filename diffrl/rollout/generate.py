@@ -22,6 +22,7 @@ from diffrl.models import adapter_class, load_model, read_model_index, resolve_m
 from diffrl.models.base import ModelAdapter
 from diffrl.models.bounds import check_model_bounds
 from diffrl.models.conditions import check_condition_rows
+from diffrl.models.lora_check import check_lora_file_bound
 from diffrl.models.sampling import GENERIC, ImageGeometry, resolve_sampling
 from diffrl.rollout import TrajectorySampler
 from diffrl.rollout.line_progress import LineProgress
@@ -58,13 +59,17 @@ def check_lora_dir(lora: str | Path) -> Path:
 
 def load_lora(adapter, lora_dir: Path, scale: float = 1.0) -> None:
     """Load an exported LoRA into the adapter's pipeline with diffusers' own loader
-    (`pipe.load_lora_weights`, which reads the adapter's alpha from the file's metadata)."""
+    (`pipe.load_lora_weights`, which reads the adapter's alpha from the file's metadata), and stop,
+    naming the modules, when a tensor of the file was not bound (`check_lora_file_bound`)."""
     pipe = adapter.pipe
     if not hasattr(pipe, "load_lora_weights"):
         raise ValueError(
             f"{type(pipe).__name__} has no LoRA loader in diffusers: --lora is not supported for it"
         )
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE as LORA_FILE
+
     pipe.load_lora_weights(str(lora_dir), adapter_name="default")
+    check_lora_file_bound(pipe, lora_dir / LORA_FILE, "default")  # a module diffusers dropped stops here
     if scale != 1.0:
         pipe.set_adapters(["default"], adapter_weights=[scale])
 
