@@ -141,10 +141,11 @@ def require_trained_covered(
         )
 
 
-def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str) -> int:
+def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str, *, into: str | None = None) -> int:
     """After `pipe.load_lora_weights(..., adapter_name=adapter_name)`: raise AdapterMismatchError
     unless every adapter tensor of `lora_file` is bound in the pipeline under `adapter_name`, with
-    its shape, and nothing else is; returns the number of tensors bound.
+    its shape, and nothing else is; returns the number of tensors bound. `into`: the component the
+    file's `transformer.` keys were loaded into (Wan2.2's `load_into_transformer_2`), else None.
 
     diffusers warns about keys it cannot place and may drop a module whose name it does not
     convert, then samples on: the base model's behaviour for that module. A file in diffusers' own
@@ -155,19 +156,19 @@ def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str) -> int
     from safetensors import safe_open
 
     with safe_open(str(lora_file), framework="pt") as handle:
-        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
-    bound: dict[str, tuple[int, ...]] = {}
+        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
     components = {}
-    for name in getattr(pipe, "components", {}):
+    for name in [into] if into is not None else list(getattr(pipe, "components", {})):
         component = getattr(pipe, name, None)
         if isinstance(component, torch.nn.Module):
-            components[name] = component
-            for key, value in component.state_dict().items():
-                parts = key.split(".")
-                if any(a in ADAPTER_PARTS and b == adapter_name for a, b in itertools.pairwise(parts)):
-                    peft_form = key.replace(f".{adapter_name}.", ".", 1)
-                    bound[f"{name}.{peft_form}"] = tuple(value.shape)
-    where = f"loading {lora_file} into {type(pipe).__name__}"
+            components["transformer" if into is not None else name] = component
+    bound: dict[str, tuple[int, ...]] = {}
+    for name, component in components.items():
+        for key, value in component.state_dict().items():
+            parts = key.split(".")
+            if any(a in ADAPTER_PARTS and b == adapter_name for a, b in itertools.pairwise(parts)):
+                bound[f"{name}.{key.replace(f'.{adapter_name}.', '.', 1)}"] = tuple(value.shape)
+    where = f"loading {lora_file} into {type(pipe).__name__}" + (f".{into}" if into else "")
     fix = "the LoRA does not fit this model (another base model or family?), or diffusers does not convert its key format"
     if not bound:
         raise AdapterMismatchError(

@@ -25,6 +25,7 @@ FAMILY_BUILDERS: dict[str, str] = {
     "qwen_image_edit_plus": "diffrl.models.qwen_image_edit:build_tiny_plus",
     "flux_kontext": "diffrl.models.flux_kontext",
     "wan": "diffrl.models.wan",
+    "wan22_a14b": "diffrl.models.wan:build_tiny_a14b",
     "zimage": "diffrl.models.zimage",
     "flux2_klein": "diffrl.models.flux2",
     "flux2_klein_base": "diffrl.models.flux2:build_tiny_base",

@@ -27,8 +27,13 @@ Layout and conventions (what the sampler and trainer see):
 - `decode` returns uint8 videos [B, T, 3, H, W] with T = (T' − 1)·t + 1. The VAE runs in fp32
   (the Wan examples load `AutoencoderKLWan` in fp32 whatever the transformer's dtype).
 
-Not supported (a clear error at load): Wan2.2 A14B's two-expert sampling (`transformer_2` with
-`boundary_ratio`), which switches transformers (and guidance scales) at a timestep boundary.
+- Wan2.2 A14B's two experts (`transformer` for high noise, `transformer_2` for low noise, switched
+  at t = `boundary_ratio` · `num_train_timesteps` as `WanPipeline.__call__` does): the adapter's
+  `transformer` is the two as one module (`diffrl.models.experts.TimestepExperts`), so both are
+  trained, LoRA spans both (one adapter, exported as one diffusers file per expert: the second is
+  loaded with `load_lora_weights(..., load_into_transformer_2=True)`), and each step runs on the
+  expert its timestep selects. One guidance scale serves both experts (the pipeline's default
+  when `guidance_scale_2` is not given).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import ClassVar
 import torch
 
 from diffrl.models.base import ModelAdapter, PromptEmbeds, to_uint8
+from diffrl.models.experts import TimestepExperts
 
 # The tiny pipeline's sizes (real Wan2.1-T2V-1.3B: 12 heads × 128, 30 layers, ffn 8960, text_dim
 # 4096 from UMT5-XXL, VAE z_dim 16 with base_dim 96).
@@ -49,6 +55,8 @@ _TINY_HEADS, _TINY_HEAD_DIM = 2, 16  # head_dim 16: rope splits it t/h/w = 8/4/4
 _TINY_TEXT_DIM = 32
 #: Wan2.1-T2V-1.3B's scheduler `flow_shift` (480p).
 TINY_SHIFT = 3.0
+#: Wan2.2-T2V-A14B's `boundary_ratio`: the high-noise expert denoises t >= 875 of 1000.
+TINY_BOUNDARY_RATIO = 0.875
 
 
 class WanAdapter(ModelAdapter):
@@ -68,11 +76,34 @@ class WanAdapter(ModelAdapter):
         super().__init__(pipe, device, dtype)
         if getattr(pipe, "transformer", None) is None:
             raise ValueError("this WanPipeline directory has no `transformer`; diffrl needs one to sample")
-        if getattr(pipe, "transformer_2", None) is not None or pipe.config.boundary_ratio is not None:
+        self._experts = self._two_experts(pipe)
+
+    @staticmethod
+    def _two_experts(pipe) -> TimestepExperts | None:
+        """Wan2.2 A14B's experts as one module, or None for a one-transformer directory."""
+        second, ratio = getattr(pipe, "transformer_2", None), pipe.config.boundary_ratio
+        if second is None and ratio is None:
+            return None
+        if second is None or ratio is None:
             raise ValueError(
-                "this is a two-expert Wan2.2 pipeline (transformer_2 / boundary_ratio): diffrl does not "
-                "sample it yet; use a single-transformer Wan2.1 or Wan2.2 TI2V directory"
+                f"this WanPipeline directory has transformer_2={'set' if second is not None else 'none'} and "
+                f"boundary_ratio={ratio}: a two-expert Wan2.2 directory needs both (model_index.json)"
             )
+        if not 0.0 < ratio < 1.0:
+            raise ValueError(f"boundary_ratio={ratio} in model_index.json: it must lie in (0, 1)")
+        architecture = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
+        if architecture(pipe.transformer.config) != architecture(second.config):
+            raise ValueError(
+                "transformer and transformer_2 of this Wan2.2 directory differ in architecture "
+                "(their config.json files): the two experts must share one"
+            )
+        boundary = ratio * pipe.scheduler.config.num_train_timesteps  # WanPipeline's boundary_timestep
+        return TimestepExperts([("transformer", pipe.transformer), ("transformer_2", second)], [boundary])
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The one transformer, or Wan2.2 A14B's two experts as one module (`TimestepExperts`)."""
+        return self._experts if self._experts is not None else self.pipe.transformer
 
     # ------------------------------------------------------------------------------ text
     def encode_prompts(
@@ -232,7 +263,27 @@ class WanAdapter(ModelAdapter):
         return float(batch * (embed + cfg.num_layers * (self_attn + cross_attn + ffn)))
 
 
-def build_tiny(path: Path, seed: int = 0) -> Path:
+def _tiny_transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=_TINY_HEADS,
+        attention_head_dim=_TINY_HEAD_DIM,
+        in_channels=_TINY_Z_DIM,
+        out_channels=_TINY_Z_DIM,
+        text_dim=_TINY_TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=64,
+    ).eval()
+
+
+def build_tiny(path: Path, seed: int = 0, *, two_experts: bool = False) -> Path:
     """Write a tiny random Wan2.1-style text-to-video pipeline to `path` (about 1.2 MB).
 
     Real classes at small sizes: a 2-block `WanTransformer3DModel` (2 heads × 16), an
@@ -242,12 +293,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
     the real checkpoints' UniPC `flow_shift` sampled as Euler, which is what diffrl does with a
     UniPC config too, so the pipeline and diffrl sample the same steps.
     """
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     from diffrl.models.tiny_text import t5_tokenizer, text_encoder_ids
@@ -271,21 +317,7 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
                 decoder_start_token_id=tokenizer.pad_token_id,
             )
         ).eval()
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=_TINY_HEADS,
-            attention_head_dim=_TINY_HEAD_DIM,
-            in_channels=_TINY_Z_DIM,
-            out_channels=_TINY_Z_DIM,
-            text_dim=_TINY_TEXT_DIM,
-            freq_dim=32,
-            ffn_dim=64,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=64,
-        ).eval()
+        transformer = _tiny_transformer()
         vae = AutoencoderKLWan(
             base_dim=8,
             z_dim=_TINY_Z_DIM,
@@ -299,9 +331,24 @@ def build_tiny(path: Path, seed: int = 0) -> Path:
             scale_factor_temporal=4,
             scale_factor_spatial=8,
         ).eval()
+        # Wan2.2 A14B's low-noise expert: the same architecture, its own weights
+        transformer_2 = _tiny_transformer() if two_experts else None
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=TINY_SHIFT)
     pipe = WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=TINY_BOUNDARY_RATIO if two_experts else None,
     )
     pipe.save_pretrained(path)
     return path
+
+
+def build_tiny_a14b(path: Path, seed: int = 0) -> Path:
+    """`build_tiny` with Wan2.2 A14B's layout: a second, independently initialised transformer
+    (`transformer_2`, the low-noise expert) and `boundary_ratio` 0.875 (the T2V-A14B's) in
+    model_index.json."""
+    return build_tiny(path, seed, two_experts=True)

@@ -22,6 +22,7 @@ from diffrl.models import adapter_class, load_model, read_model_index, resolve_m
 from diffrl.models.base import ModelAdapter
 from diffrl.models.bounds import check_model_bounds
 from diffrl.models.conditions import check_condition_rows
+from diffrl.models.experts import load_lora_kwargs, trained_components
 from diffrl.models.lora_check import check_lora_file_bound
 from diffrl.models.sampling import GENERIC, ImageGeometry, resolve_sampling
 from diffrl.rollout import TrajectorySampler
@@ -59,17 +60,25 @@ def check_lora_dir(lora: str | Path) -> Path:
 
 def load_lora(adapter, lora_dir: Path, scale: float = 1.0) -> None:
     """Load an exported LoRA into the adapter's pipeline with diffusers' own loader
-    (`pipe.load_lora_weights`, which reads the adapter's alpha from the file's metadata), and stop,
-    naming the modules, when a tensor of the file was not bound (`check_lora_file_bound`)."""
+    (`pipe.load_lora_weights`, which reads the adapter's alpha from the file's metadata; Wan2.2
+    A14B's second expert from its own file, `load_into_transformer_2`), and stop, naming the
+    modules, when a tensor of a file was not bound (`check_lora_file_bound`)."""
     pipe = adapter.pipe
     if not hasattr(pipe, "load_lora_weights"):
         raise ValueError(
             f"{type(pipe).__name__} has no LoRA loader in diffusers: --lora is not supported for it"
         )
-    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE as LORA_FILE
-
-    pipe.load_lora_weights(str(lora_dir), adapter_name="default")
-    check_lora_file_bound(pipe, lora_dir / LORA_FILE, "default")  # a module diffusers dropped stops here
+    for component, _ in trained_components(adapter.transformer):
+        kwargs = load_lora_kwargs(component)
+        file = lora_dir / kwargs["weight_name"]
+        if not file.is_file():
+            raise ValueError(
+                f"--lora {str(lora_dir)!r} holds no {file.name}, the LoRA of this model's {component}: "
+                "pass the export of a run on this model (`diffrl export RUN --out DIR`)"
+            )
+        pipe.load_lora_weights(str(lora_dir), adapter_name="default", **kwargs)
+        # a module diffusers dropped stops here
+        check_lora_file_bound(pipe, file, "default", into=component if component != "transformer" else None)
     if scale != 1.0:
         pipe.set_adapters(["default"], adapter_weights=[scale])
 

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from diffrl.files import naming, umask_mode
+from diffrl.models.experts import expert_lora_file, trained_components
 from diffrl.train.distributed import barrier, rank
-from diffrl.train.export_folder import LORA_FILE
 
 
 # ---------------------------------------------------------------------------------- adapters
@@ -154,16 +154,22 @@ def export_lora(
     out = Path(out_dir)
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        # naming: safetensors reports a full disk in its own error type, naming no file
-        with naming(out / LORA_FILE):
-            pipeline_class.save_lora_weights(
-                str(out),
-                transformer_lora_layers=layers,
-                transformer_lora_adapter_metadata=_lora_metadata(transformer, adapter_name),
-                is_main_process=True,
-            )
-        umask_mode(out / LORA_FILE)  # written 0600 through a temporary file; 0644 like every other file
-        check_lora_file(transformer, out / LORA_FILE, adapter_name)
+        metadata = _lora_metadata(transformer, adapter_name)
+        # one file per trained component: Wan2.2 A14B's experts each get their own, as diffusers loads them
+        for component, module in trained_components(transformer):
+            prefix = "" if module is transformer else f"{component}."
+            own = {k[len(prefix) :]: v for k, v in layers.items() if k.startswith(prefix)}
+            file = out / expert_lora_file(component)
+            with naming(file):  # safetensors reports a full disk in its own error type, naming no file
+                pipeline_class.save_lora_weights(
+                    str(out),
+                    transformer_lora_layers=own,
+                    transformer_lora_adapter_metadata=metadata,
+                    is_main_process=True,
+                    weight_name=file.name,
+                )
+            umask_mode(file)  # written 0600 through a temporary file; 0644 like every other file
+            check_lora_file(module, file, adapter_name)
     barrier()
     return out
 
@@ -222,7 +228,12 @@ def _model_class(module: nn.Module) -> type:
 
 
 def export_full(
-    transformer: nn.Module, out_dir: str | Path, *, merge: bool = False, adapter_name: str = "default"
+    transformer: nn.Module,
+    out_dir: str | Path,
+    *,
+    merge: bool = False,
+    adapter_name: str = "default",
+    peft_of: nn.Module | None = None,
 ) -> Path:
     """Write the full transformer with diffusers' `save_pretrained` (safetensors + config.json).
 
@@ -242,7 +253,8 @@ def export_full(
     weights in CPU memory and no random initialisation. Weights keep their training dtype. Collective under a process group; rank 0 writes.
     A merge that passes over a module carrying the adapter raises, naming it (`check_merged`).
     """
-    names = lora_adapter_names(transformer)
+    owner = transformer if peft_of is None else peft_of  # an expert's adapters are its container's
+    names = lora_adapter_names(owner)
     if names and not merge:
         raise ValueError(
             f"the transformer carries LoRA adapters {names}: export_full(merge=True, adapter_name=...) "
@@ -266,7 +278,7 @@ def export_full(
             warnings.filterwarnings("ignore", message="Already found a `peft_config`", category=UserWarning)
             clone = cls.from_config(transformer.config)
             for name in names:
-                clone.add_adapter(copy.deepcopy(transformer.peft_config[name]), adapter_name=name)
+                clone.add_adapter(copy.deepcopy(owner.peft_config[name]), adapter_name=name)
         # strict: every parameter and persistent buffer is replaced. Non-persistent buffers and plain
         # tensor attributes (rotary tables) stay on the meta device: the merge and save_pretrained
         # never read them, and the loader of the exported directory computes them afresh.
@@ -327,10 +339,12 @@ def export_pipeline(adapter, out_dir: str | Path, *, model_path: str | Path, mer
     from diffrl.models import resolve_model_path
 
     out = Path(out_dir)
-    export_full(adapter.transformer, out / "transformer", merge=merge)
+    trained = trained_components(adapter.transformer)
+    for name, module in trained:  # Wan2.2 A14B: each expert to its own component folder
+        export_full(module, out / name, merge=merge, peft_of=adapter.transformer)
     if rank() == 0:
         for name, component in adapter.pipe.components.items():
-            if name != "transformer" and component is not None and hasattr(component, "save_pretrained"):
+            if name not in dict(trained) and component is not None and hasattr(component, "save_pretrained"):
                 with naming(out / name):
                     component.save_pretrained(out / name)
         with naming(out / "model_index.json"):

@@ -187,6 +187,7 @@ def test_every_trained_lora_module_binds_in_the_familys_own_pipeline(tiny_model,
     from diffusers import DiffusionPipeline
 
     from diffrl.config.sections.model import LoraConfig as DiffrlLora
+    from diffrl.models.experts import load_lora_kwargs, trained_components
     from diffrl.models.lora_check import check_adapter_tensors
     from diffrl.train.export import adapter_key_predicate, lora_adapter_names
     from diffrl.train.lora import inject_lora
@@ -208,14 +209,23 @@ def test_every_trained_lora_module_binds_in_the_familys_own_pipeline(tiny_model,
     extra = type(adapter).loaded_components(tiny)
     pipe = DiffusionPipeline.from_pretrained(tiny, dtype=torch.float32, local_files_only=True, **extra)
     assert type(pipe) is type(adapter.pipe)
-    pipe.load_lora_weights(out)
-    (loaded_name,) = lora_adapter_names(pipe.transformer)
-    is_loaded = adapter_key_predicate(pipe.transformer, loaded_name)
-    loaded = {
-        k.replace(f".{loaded_name}.", ".default."): v
-        for k, v in pipe.transformer.state_dict().items()
-        if is_loaded(k)
-    }
+    # one file per trained component (Wan2.2 A14B: one per expert, the second loaded into transformer_2)
+    loaded = {}
+    for component, _ in trained_components(adapter.transformer):
+        pipe.load_lora_weights(out, **load_lora_kwargs(component))
+        module = getattr(pipe, component)
+        (loaded_name,) = lora_adapter_names(module)
+        is_loaded = adapter_key_predicate(module, loaded_name)
+        prefix = (
+            ""
+            if component == "transformer" and len(trained_components(adapter.transformer)) == 1
+            else f"{component}."
+        )
+        loaded |= {
+            prefix + k.replace(f".{loaded_name}.", ".default."): v
+            for k, v in module.state_dict().items()
+            if is_loaded(k)
+        }
     shapes = lambda state: {k: tuple(v.shape) for k, v in state.items()}  # noqa: E731
     check_adapter_tensors(
         f"{family}: {type(pipe).__name__}.load_lora_weights",
