@@ -349,3 +349,37 @@ def test_a_colocated_sampler_samples_in_float8_and_the_trainer_does_not(tiny_mod
     assert torch.equal(sampled.samples.log_probs_BW, expected.samples.log_probs_BW)
     assert not torch.equal(sampled.samples.log_probs_BW, plain.samples.log_probs_BW)
     assert not any(layer.fp8 for layer in fp8.float8_layers(engine.transformer))  # off again for training
+
+
+def test_compiled_a_frozen_base_skips_its_weight_gradient_gemm():
+    """torchao's backward computes the weight-gradient GEMM unconditionally; compiled (as
+    model.compile runs the blocks), a frozen base weight's is dead code and dropped, so the
+    update's backward runs one float8 GEMM per frozen layer (to the input), a trained layer two."""
+    _torchao()
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from diffrl.train.fp8_linear import recipe_config, to_float8
+
+    def counted(frozen: bool) -> dict[str, int]:
+        counts: dict[str, int] = {}
+
+        def compiler(name):
+            def compile_graph(gm, example_inputs):
+                counts[name] = sum("scaled_mm" in str(node.target) for node in gm.graph.nodes)
+                return make_boxed_func(gm.forward)
+
+            return compile_graph
+
+        torch._dynamo.reset()
+        layer = to_float8(nn.Linear(64, 128).to(torch.bfloat16), recipe_config(), enabled=True)
+        layer.requires_grad_(not frozen)
+        compiled = torch.compile(
+            layer, backend=aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
+        )
+        x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+        compiled(x).sum().backward()
+        return counts
+
+    assert counted(frozen=True) == {"fw": 1, "bw": 1}
+    assert counted(frozen=False) == {"fw": 1, "bw": 2}
