@@ -168,7 +168,8 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
     start = time.perf_counter()
     run_dir = train(str(YAML), overrides)
     wall = time.perf_counter() - start
-    strategy = json.loads((run_dir / "plan.json").read_text())["strategy"]  # the run plan's choice
+    plan = json.loads((run_dir / "plan.json").read_text())
+    strategy = plan["strategy"]  # the run plan's choice
     summary = summarise_run(run_dir, args.warmup, args.steps)
     if args.profile:
         summary["profile"] = profile_summary(run_dir, total)
@@ -178,15 +179,9 @@ def run_recipe(name: str, layout: tuple[int, int], model: Path, out: Path, args:
         "gpus": gpus,
         "replicas": replicas,
         "strategy": strategy,
-        "fp8": fp8_mode(overrides),
+        "fp8": plan["fp8"],
         "wall_s": wall,
     }
-
-
-def fp8_mode(overrides: list[str]) -> str:
-    """`model.fp8` as the overrides leave it (the last one wins; the recipes' default is none)."""
-    values = [o.partition("=")[2] for o in overrides if o.startswith("model.fp8=")]
-    return values[-1] if values else "none"
 
 
 def torchao_version() -> str | None:

@@ -15,6 +15,7 @@ weight bytes, the model family's GPU training attention), into a frozen `RunPlan
     attn_backend    model.attn_backend, `auto` resolved (the family's GPU training backend on a
                     GPU, torch's default `native` elsewhere)
     compile, offload, weight_sync_backend   as configured, `auto` resolved
+    fp8             model.fp8 (checked against the machine: `check_fp8`)
 
 The config is never changed: every worker and loop reads these decisions from the plan. A setting
 that would have no effect under the plan is refused here (a ConfigError naming the fix), as the
@@ -149,6 +150,7 @@ class RunPlan:
     compile: bool  # torch.compile of the transformer blocks (model.compile)
     offload: tuple[str, ...]  # what lives in host memory: param (FSDP2's), optimizer, activation
     weight_sync_backend: str | None  # separate placement: nccl or gloo; None colocated
+    fp8: str = "none"  # model.fp8: float8 GEMMs for none, the sampler's passes (sampling) or all passes
 
     @property
     def reuses_rollout_log_probs(self) -> bool:
@@ -189,7 +191,8 @@ class RunPlan:
             f"  parallelism: actor.strategy={self.strategy} ({self.strategy_reason})",
             f"  old log-probs: {passes[self.old_log_probs]}; reference pass: {self.reference}",
             f"  attention {self.attn_backend}, compile {'on' if self.compile else 'off'}, "
-            f"offload {'+'.join(self.offload) or 'none'}",
+            f"offload {'+'.join(self.offload) or 'none'}"
+            + (f", fp8 {self.fp8}" if self.fp8 != "none" else ""),
         ]
 
 
@@ -361,6 +364,7 @@ def resolve_plan(cfg: Any, machine: Machine | None = None, *, job: str = "train"
         compile=cfg.model.compile,
         offload=offload,
         weight_sync_backend=weight_sync_backend(cfg, machine.accelerator) if separate else None,
+        fp8=cfg.model.fp8,
     )
     check_attention_backend(plan.attn_backend)
     check_fp8(cfg, plan, machine.accelerator)

@@ -64,11 +64,9 @@ def test_a_separate_split_runs_quietly_and_reports_its_gpus(tmp_path):
     assert noise == [], done.stderr[-3000:]
 
 
-def test_fp8_runs_report_their_mode_and_the_sampler_trainer_gap(tmp_path):
+def test_runs_report_the_sampler_trainer_log_prob_gap(tmp_path):
     from run_metrics import summarise_run
 
-    assert e2e_recipe.fp8_mode(["model.path=/m", "model.fp8=sampling", "model.fp8=all"]) == "all"
-    assert e2e_recipe.fp8_mode(["model.compile=true"]) == "none"
     step = {"timing_s/step": 2.0, "throughput/images_per_s_per_gpu": 4.0, "timing_s/gen": 1.0}
     gap = {"rollout_correction/abs_logp_diff_mean": 0.01, "rollout_correction/kl": 1e-4}
     lines = [step, {**step, **gap}, {**step, **gap, "rollout_correction/kl": 2e-4}]

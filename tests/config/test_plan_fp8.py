@@ -65,5 +65,10 @@ def test_sampling_recomputes_the_old_log_probs(torchao_present):
     assert plan_of([]).old_log_probs == "rollout"
     assert plan_of(["model.fp8=sampling"]).old_log_probs == "trainer"
     # all: sampler and trainer run the same float8 GEMMs, so auto keeps the rollout's
-    assert plan_of(["model.fp8=all"]).old_log_probs == "rollout"
+    all_fp8 = plan_of(["model.fp8=all"])
+    assert all_fp8.old_log_probs == "rollout"
+    # the plan says it at start and keeps it in plan.json; a run without float8 prints as before
+    assert all_fp8.fp8 == "all" and all_fp8.lines()[3].endswith(", fp8 all")
+    assert all_fp8.to_dict()["fp8"] == "all"
+    assert plan_of([]).fp8 == "none" and "fp8" not in plan_of([]).lines()[3]
     assert plan_of([*rollout, "model.fp8=all"]).old_log_probs == "rollout"
