@@ -7,7 +7,7 @@
 #   benchmarks/fp8_compare.sh OUT_DIR [BUDGET_S]
 #
 # Each run has its own timeout within BUDGET_S (default 570 s) so that a slow float8 compile cannot
-# lose the others' numbers; the float8 runs log dynamo's recompiles (TORCH_LOGS=recompiles). OUT_DIR
+# lose the others' numbers; the float8 runs log dynamo's recompiles and graph breaks (TORCH_LOGS). OUT_DIR
 # gets each run's JSON line (<run>.json), its stderr (<run>.err), metrics.jsonl and plan.json,
 # gemms.json, and the summary printed at the end: images/s, seconds per image and MFU per phase,
 # compile time, peak memory, loss, grad norm, ratio_std and clipfrac per step, and the sampler's
@@ -30,8 +30,8 @@ run() { # name timeout_s args...
 }
 left() { echo $(( budget - SECONDS )); }
 run bf16 200
-TORCH_LOGS=recompiles run fp8_all $(( $(left) < 220 ? $(left) : 220 )) --set model.fp8=all
-TORCH_LOGS=recompiles run fp8_sampling $(( $(left) < 200 ? $(left) : 200 )) --set model.fp8=sampling
+TORCH_LOGS=recompiles,graph_breaks run fp8_all $(( $(left) < 220 ? $(left) : 220 )) --set model.fp8=all
+TORCH_LOGS=recompiles,graph_breaks run fp8_sampling $(( $(left) < 200 ? $(left) : 200 )) --set model.fp8=sampling
 if (( $(left) > 45 )); then
   timeout $(left) python benchmarks/fp8_gemms.py > $out/gemms.json 2> $out/gemms.err; echo "gemms rc=$? at ${SECONDS}s"
 fi
