@@ -26,6 +26,7 @@ import torch
 from diffrl.config.schema import Config
 from diffrl.controller.check_report import CheckRow, fmt, fmt_list, row, skipped
 from diffrl.models.base import ModelAdapter
+from diffrl.models.experts import trained_components
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.transition import Rollout
 
@@ -50,7 +51,7 @@ class Call:
 
 @contextmanager
 def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
-    """Record the inputs of every forward of `transformer` while the context is open."""
+    """Record the inputs of every forward of `transformer` (of each of its experts) while the context is open."""
     calls: list[Call] = []
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -70,11 +71,13 @@ def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
             )
         )
 
-    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    # on each expert (Wan2.2 A14B): the family's pipeline calls them itself, not diffrl's module of the two
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in trained_components(transformer)]
     try:
         yield calls
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _list_call(args: tuple, kwargs: dict) -> Call:

@@ -127,15 +127,28 @@ def merged_adapter(adapter: ModelAdapter, name: str) -> Iterator[None]:
 def lora_policy(transformer: torch.nn.Module, name: str | None, default: str) -> Iterator[None]:
     """Run the LoRA-injected `transformer` with adapter `name` active, or with every adapter
     disabled (`name=None`: the base model, the reference policy), then with `default` again. The
-    trainer (`TrainEngine.use_policy`) and a rollout replica (`RolloutWorker.evaluate`) switch
-    policies through this one function, so both run the same modules."""
-    if name is None:
-        transformer.disable_adapters()
-    else:
-        transformer.set_adapter(name)
+    trainer (`TrainEngine.use_policy`) and a rollout replica (`RolloutWorker`) switch policies
+    through this one function, so both run the same modules.
+
+    Which tensors train never changes here: peft's `set_adapter` and `disable_adapters` also set
+    `requires_grad` (only the active adapter's on), and FSDP2 fixes each parameter's
+    `requires_grad` at its first unshard. A first forward under another policy (DiffusionNFT
+    samples as `old` before any update) would then leave the trained adapter without gradients
+    for the rest of the run, so the flags are put back as they were right after each switch."""
+    flags = [(p, p.requires_grad) for p in transformer.parameters()]
+
+    def switch(to: str | None) -> None:
+        if to is None:
+            transformer.disable_adapters()
+        else:
+            transformer.set_adapter(to)
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+    switch(name)
     try:
         yield
     finally:
         if name is None:
             transformer.enable_adapters()
-        transformer.set_adapter(default)
+        switch(default)

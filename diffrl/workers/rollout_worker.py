@@ -25,7 +25,7 @@ from diffrl.models.base import ModelAdapter
 from diffrl.rollout.sampler import TrajectorySampler
 from diffrl.telemetry.profiling import ProfiledWorker, profiled_call
 from diffrl.train import fp8
-from diffrl.train.lora import inject_lora, merged_adapter
+from diffrl.train.lora import inject_lora, lora_policy, merged_adapter
 from diffrl.train.policies import OLD, POLICY, window_log_probs
 from diffrl.transition import Rollout, RolloutSummary, concat_rollouts
 from diffrl.workers.staging import fetched, handed_over
@@ -126,11 +126,8 @@ class RolloutWorker(ProfiledWorker):
         if policy == POLICY:
             yield
             return
-        self.adapter.transformer.set_adapter(policy)
-        try:
+        with lora_policy(self.adapter.transformer, policy, POLICY):
             yield
-        finally:
-            self.adapter.transformer.set_adapter(POLICY)
 
     @profiled_call
     def sample(

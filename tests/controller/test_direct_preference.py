@@ -111,6 +111,18 @@ def test_nft_old_adapter_follows_its_schedule_and_resumes_exactly(tmp_path, monk
             torch.testing.assert_close(value, expected[key] if name == "old" else after_2[key])
 
 
+def test_nft_under_fsdp2_trains_as_without_it(tmp_path, monkeypatch):
+    """DiffusionNFT samples as `old` before any update, so FSDP2's first unshard used to fix the
+    trained adapter's requires_grad at False (peft's set_adapter flips it) and the first backward
+    failed ("element 0 of tensors does not require grad"); FSDP2 on a one-rank group now logs the
+    metrics of the unsharded run."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    nft = ["actor.loss.mode=diffusion_nft", "algorithm.timestep_fraction=0.5", "trainer.save_freq=0"]
+    plain = read_metrics(run(tmp_path, "plain", *nft, steps=1) / "metrics.jsonl")
+    sharded = read_metrics(run(tmp_path, "fsdp2", *nft, "actor.strategy=fsdp2", steps=1) / "metrics.jsonl")
+    assert comparable(sharded[1]) == pytest.approx(comparable(plain[1]), rel=1e-5, abs=1e-8)
+
+
 @pytest.mark.parametrize(
     ("mode", "extra", "keys"),
     [

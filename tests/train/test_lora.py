@@ -3,7 +3,7 @@ import torch
 
 from diffrl.config.schema import LoraConfig
 from diffrl.models import load_model
-from diffrl.train.lora import inject_lora, merged_adapter, merged_lora
+from diffrl.train.lora import inject_lora, lora_policy, merged_adapter, merged_lora
 
 
 def _velocity(adapter):
@@ -122,3 +122,28 @@ def test_merged_adapter_runs_a_bf16_model_without_the_adapters_autocast(tiny_mod
     assert adapter.lora_autocast
     assert ((merged - unmerged).norm() / unmerged.norm()) < 0.02  # bf16 rounding (~0.013 here) ...
     assert ((base - unmerged).norm() / unmerged.norm()) > 0.05  # ... against the adapter's own effect
+
+
+@pytest.mark.parametrize("name", ["old", None])
+def test_switching_policies_never_changes_which_tensors_train(tiny_model, name):
+    """peft's set_adapter / disable_adapters flip requires_grad; lora_policy puts the flags back at
+    once, inside the switch and after it, while the other adapter (or none) really runs."""
+    adapter = load_model(tiny_model("sd3"), dtype="float32")
+    inject_lora(adapter, LoraConfig(rank=4, alpha=4), ["default", "old"])
+    with torch.no_grad():
+        for param_name, param in adapter.transformer.named_parameters():
+            if ".lora_B.old." in param_name:
+                param.normal_(0.0, 0.5)  # `old` differs from `default` (whose B is 0: the base)
+    before = {n: p.requires_grad for n, p in adapter.transformer.named_parameters()}
+    assert any(before.values()) and not any(v for n, v in before.items() if ".old." in n)
+    with torch.no_grad():
+        default = _velocity(adapter)
+        with lora_policy(adapter.transformer, name, "default"):
+            inside = {n: p.requires_grad for n, p in adapter.transformer.named_parameters()}
+            switched = _velocity(adapter)
+    assert inside == before
+    assert {n: p.requires_grad for n, p in adapter.transformer.named_parameters()} == before
+    if name == "old":
+        assert not torch.equal(switched, default)  # the old adapter ran
+    else:
+        torch.testing.assert_close(switched, default)  # default's B = 0: disabled is the base too
