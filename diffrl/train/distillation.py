@@ -29,7 +29,8 @@ fake update's (t, ε). A sample's draws do not depend on its micro-batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -194,7 +195,7 @@ class Distiller:
             return fake_score_loss(v, x0, noise[s])
 
         parts = self._micro(len(batch))
-        with lora_policy(self.engine.transformer, FAKE_SCORE, POLICY):  # its tensors require grad
+        with lora_policy(self.engine.transformer, FAKE_SCORE, POLICY), self._fake_trains():
             metrics = self.engine.accumulate(
                 [GradientTerm(partial(term, s), (s.stop - s.start) / len(batch)) for s in parts],
                 metrics_divisor=1.0,
@@ -202,6 +203,23 @@ class Distiller:
         metrics.pop("loss", None)
         metrics.update(self._fake_optim_step())
         return metrics
+
+    @contextmanager
+    def _fake_trains(self) -> Iterator[None]:
+        """Inside: the fake score's tensors require grad and the student's do not (a policy switch
+        leaves the flags as they were: `lora_policy`); afterwards the student trains again."""
+        student = self.engine.params
+        for p in student:
+            p.requires_grad_(False)
+        for p in self.fake_params:
+            p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            for p in self.fake_params:
+                p.requires_grad_(False)
+            for p in student:
+                p.requires_grad_(True)
 
     def _fake_optim_step(self) -> dict[str, float]:
         clip = self.cfg.actor.optim.clip_grad
