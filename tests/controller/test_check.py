@@ -274,7 +274,7 @@ def _no_job(*args, **kwargs):
 def test_train_runs_the_quick_check_first_and_a_failure_stops_it(tmp_path, monkeypatch, capsys):
     from diffrl.controller import run
 
-    monkeypatch.setattr(run, "job", _no_job)
+    monkeypatch.setattr(run, "run_job", _no_job)
     out = [f"trainer.output_dir={tmp_path}"]
     with pytest.raises(_Started):  # every check passed: the run goes on to start its workers
         run.train("tiny_sd3", out)
