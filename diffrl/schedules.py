@@ -32,6 +32,7 @@ like the SD3 pipeline. A `FlowMatchEulerDiscreteScheduler` config is used as is.
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ def flow_match_schedule(
             config.base_shift,
             config.max_shift,
         )
+        _check_shift(kwargs["mu"], image_seq_len, config)
     # A degenerate result (NaN) is reported below as a ValueError rather than a numpy warning.
     with np.errstate(divide="ignore", invalid="ignore"):
         if _LINEAR_SIGMAS[pipeline_convention]:
@@ -153,10 +155,17 @@ def flow_match_schedule(
     if not (
         bool(torch.isfinite(sigmas).all()) and bool((sigmas[1:] < sigmas[:-1]).all()) and sigmas[-1] == 0
     ):
+        size = (
+            f", or a smaller image: with dynamic shifting this one's {image_seq_len} tokens shift every "
+            f"sigma to {sigmas[0].item():.4g} in float32 (mu = {kwargs['mu']:.1f})"
+            if "mu" in kwargs
+            else ""
+        )
         raise ValueError(
             f"this scheduler config gives no usable schedule for num_steps={num_steps} (sigmas must be "
             f"finite and decrease to 0; got {sigmas.tolist()}); use more steps"
             + (" (shift_terminal needs num_steps >= 2)" if config.shift_terminal else "")
+            + size
         )
     return Schedule(sigmas=sigmas, timesteps=timesteps)
 
@@ -195,4 +204,24 @@ def euler_config(scheduler_config: Mapping[str, Any], pipeline_convention: str) 
     raise ValueError(
         f"scheduler config is a {class_name}, not a flow-matching {_EULER} config{hint}; "
         f"diffrl's SDE steps need the flow-matching sigmas of {_EULER}"
+    )
+
+
+#: The largest x with a finite exp(x): diffusers' exponential time shift takes math.exp(mu).
+_MAX_EXP = math.log(float(np.finfo(np.float64).max))
+
+
+def _check_shift(mu: float, image_seq_len: int, config: Any) -> None:
+    """A ValueError when an image's token count puts the dynamic shift beyond float range: `mu`
+    grows linearly with the tokens (through (base_image_seq_len, base_shift) and
+    (max_image_seq_len, max_shift)) and the exponential shift takes exp(mu), which overflows
+    (a 32768² FLUX image: OverflowError from inside diffusers)."""
+    if config.time_shift_type != "exponential" or mu < _MAX_EXP:
+        return
+    slope = (config.max_shift - config.base_shift) / (config.max_image_seq_len - config.base_image_seq_len)
+    largest = int((_MAX_EXP - (config.base_shift - slope * config.base_image_seq_len)) / slope)
+    raise ValueError(
+        f"an image of {image_seq_len} tokens is beyond this scheduler's dynamic shift (mu = {mu:.0f}; "
+        f"exp(mu) overflows above {_MAX_EXP:.1f}): at most {largest} image tokens; use a smaller height "
+        "and width"
     )

@@ -299,3 +299,20 @@ def test_unknown_convention_lists_them():
 def test_shift_terminal_with_one_step_is_a_clear_error():
     with pytest.raises(ValueError, match="shift_terminal needs num_steps >= 2"):
         flow_match_schedule(QWEN_IMAGE, 1, 1024, pipeline_convention="qwen_image")
+
+
+def test_an_image_whose_dynamic_shift_overflows_is_refused_naming_the_largest_token_count():
+    """Issue 51 re-probe: `diffrl sample --height 32768 --width 32768` (FLUX, 2048² = 4.2M tokens)
+    ended in diffusers' `OverflowError: math range error` (exp(mu), mu ~ 710). Below that, an image
+    so large that the shift pushes every float32 sigma to 1 says so too."""
+    slope = (1.15 - 0.5) / (4096 - 256)
+    largest = int((math.log(float(np.finfo(np.float64).max)) - (0.5 - slope * 256)) / slope)
+    with pytest.raises(
+        ValueError, match=rf"an image of {2048 * 2048} tokens .* at most {largest} image tokens"
+    ):
+        flow_match_schedule(FLUX_DEV, 4, 2048 * 2048, pipeline_convention="flux")
+    with pytest.raises(
+        ValueError, match=r"or a smaller image: with dynamic shifting this one's 400000 tokens"
+    ):
+        flow_match_schedule(FLUX_DEV, 4, 400_000, pipeline_convention="flux")
+    flow_match_schedule(FLUX_DEV, 4, 64 * 64, pipeline_convention="flux")  # a 1024² image

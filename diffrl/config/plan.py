@@ -26,6 +26,7 @@ of the config: the controller gathers the machine's facts (diffrl.controller.pre
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -213,13 +214,34 @@ def attention_backend(setting: str, accelerator: str, gpu_backend: str | None) -
     return "native"
 
 
-def check_attention_backend(backend: str) -> None:
+#: Parts of the attention backends' names that run CUDA kernels only (flash-attn, SageAttention,
+#: xformers, and the `*_hub` kernels that `kernels` fetches from the Hugging Face Hub).
+CUDA_ONLY_ATTENTION = ("flash", "sage", "xformers", "_hub")
+
+
+def check_attention_backend(backend: str, accelerator: str = "cuda") -> None:
     """A ConfigError when diffusers cannot run attention backend `backend` here (its package is
-    missing or too old: flash-attn, sage, kernels), found before any model loads rather than as a
-    traceback from the first forward. diffusers' own requirement check decides; torch's default
-    (`native` and the `_native_*` variants) needs nothing."""
+    missing or too old: flash-attn, sage, kernels; a CUDA-only kernel on a run without a GPU; a
+    `*_hub` kernel with the Hub switched off), found before any model loads rather than as a
+    traceback from the first forward. diffusers' own requirement check decides the packages;
+    torch's default (`native` and the `_native_*` variants) needs nothing."""
     if backend == "native" or backend.startswith("_native"):
         return
+    if accelerator != "cuda" and any(part in backend for part in CUDA_ONLY_ATTENTION):
+        raise ConfigError(
+            f"model.attn_backend={backend!r} runs CUDA kernels only, and this run has no GPU "
+            f"({accelerator}): set model.attn_backend=auto (torch's own attention)"
+        )
+    if backend.endswith("_hub") and os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+    ):
+        raise ConfigError(
+            f"model.attn_backend={backend!r} downloads its kernel from the Hugging Face Hub, and "
+            "HF_HUB_OFFLINE is set: use the backend's local package (e.g. model.attn_backend=flash "
+            "with flash-attn installed) or model.attn_backend=auto"
+        )
     from diffusers.models import attention_dispatch
 
     check = getattr(attention_dispatch, "_check_attention_backend_requirements", None)
@@ -366,7 +388,7 @@ def resolve_plan(cfg: Any, machine: Machine | None = None, *, job: str = "train"
         weight_sync_backend=weight_sync_backend(cfg, machine.accelerator) if separate else None,
         fp8=cfg.model.fp8,
     )
-    check_attention_backend(plan.attn_backend)
+    check_attention_backend(plan.attn_backend, machine.accelerator)
     check_fp8(cfg, plan, machine.accelerator)
     if rl:
         check_plan(cfg, plan)

@@ -123,15 +123,34 @@ def test_an_attention_backend_this_machine_cannot_run_is_refused_before_any_mode
     package-found flags set both ways."""
     from diffusers.models import attention_dispatch
 
+    gpu = Machine(accelerator="cuda")
     for flag, backend in [("_CAN_USE_FLASH_ATTN", "flash"), ("_CAN_USE_SAGE_ATTN", "sage")]:
         monkeypatch.setattr(attention_dispatch, flag, False)
         with pytest.raises(
             ConfigError, match=rf"model.attn_backend='{backend}' cannot run on this machine: .*auto"
         ):
-            plan_of("tiny_sd3", [f"model.attn_backend={backend}"])
+            plan_of("tiny_sd3", [f"model.attn_backend={backend}"], gpu)
         monkeypatch.setattr(attention_dispatch, flag, True)
-        assert plan_of("tiny_sd3", [f"model.attn_backend={backend}"]).attn_backend == backend
+        assert plan_of("tiny_sd3", [f"model.attn_backend={backend}"], gpu).attn_backend == backend
     assert plan_of("tiny_sd3", ["model.attn_backend=_native_math"]).attn_backend == "_native_math"
+
+
+@pytest.mark.parametrize("backend", ["flash", "flash_hub", "sage", "xformers"])
+def test_a_cuda_only_attention_backend_is_refused_on_a_run_without_a_gpu(backend):
+    """Issue 51 re-probe: with `kernels` installed, model.attn_backend=flash_hub passed on a CPU
+    run and failed after the model loaded (the kernel fetched from the Hub, a network traceback)."""
+    with pytest.raises(ConfigError, match=rf"attn_backend='{backend}' runs CUDA kernels only.*auto"):
+        plan_of("tiny_sd3", [f"model.attn_backend={backend}"])
+
+
+def test_a_hub_attention_kernel_is_refused_with_the_hub_switched_off(monkeypatch):
+    from diffusers.models import attention_dispatch
+
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN", True)
+    monkeypatch.setattr(attention_dispatch, "_check_attention_backend_requirements", lambda backend: None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        plan_of("tiny_sd3", ["model.attn_backend=flash_hub"], Machine(accelerator="cuda"))
 
 
 def test_supervised_and_eval_jobs_plan_no_passes():
