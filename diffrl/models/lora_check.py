@@ -116,7 +116,7 @@ def check_adapter_tensors(
             f"{len(altered)} tensor(s) in {side} whose values differ from those sent, of modules {_named(altered)}"
         )
     raise AdapterMismatchError(
-        f"{where}: {side} does not hold the {len(trained)} trained tensor(s): "
+        f"{where}: {side} does not match the {len(trained)} trained tensor(s) ({len(common) - len(reshaped) - len(altered)} match): "
         + "; ".join(lines)
         + (f". {fix}" if fix else ""),
         missing,
