@@ -56,6 +56,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "flux_dev": ("flux_dev", ("flux_dev_lora",)),
     "qwen_image": ("qwen_image", ("qwen_image_ocr", "qwen_image_dpo", "qwen_image_flow_dppo")),
     "wan21_1_3b": ("wan21_1_3b", ("wan21_t2v_1_3b_lora", "wan21_t2v_1_3b_video")),
+    "wan22_a14b": ("wan22_a14b", ("wan22_t2v_a14b_lora",)),
     "flux_kontext": ("flux_kontext", ("flux_kontext_lora",)),
     "qwen_image_edit": ("qwen_image_edit", ("qwen_image_edit_lora",)),
 }

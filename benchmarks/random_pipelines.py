@@ -13,6 +13,10 @@ what a training step measures):
     wan21_1_3b   Wan2.1-T2V-1.3B: WanTransformer3DModel 1.42 B (30 blocks, 12 x 128, ffn 8960),
                  AutoencoderKLWan (fp32), UMT5 text encoder of width 4096       ~3.4 GB on disk
     wan21_14b    Wan2.1-T2V-14B: 14.29 B (40 blocks, 40 x 128, ffn 13824)       ~29 GB on disk
+    wan22_a14b   Wan2.2-T2V-A14B: two experts of wan21_14b's architecture (transformer, the
+                 high-noise one, and transformer_2) switched at boundary_ratio 0.875; on disk
+                 transformer_2 is a link to transformer (random weights either way; one copy of
+                 ~29 GB on a 64 GB disk), loaded as two modules of 14.29 B each   ~29 GB on disk
     flux_kontext FLUX.1-Kontext-dev (FluxKontextPipeline): flux_dev's components ~24 GB on disk
     qwen_image_edit
                  Qwen-Image-Edit (QwenImageEditPipeline): qwen_image's components plus the
@@ -171,6 +175,15 @@ FAMILIES: dict[str, Family] = {
         ("num_layers",),
         14_288_491_584,
         "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer (safetensors total; each Wan2.2-A14B expert too)",
+    ),
+    # Wan2.2-T2V-A14B: each expert is Wan2.1-14B's architecture (Wan's wan_t2v_A14B config: dim
+    # 5120, ffn 13824, 40 layers, 40 heads), hence "A14B": 14 B active of 27 B.
+    "wan22_a14b": Family(
+        "WanTransformer3DModel",
+        WAN21_14B_TRANSFORMER,
+        ("num_layers",),
+        14_288_491_584,
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers, each of transformer/ and transformer_2/ (Wan2.1-14B's architecture)",
     ),
     # The edit models are their text-to-image base's transformer fine-tuned: the same architecture,
     # so the base's count. Derived, not read from their own safetensors metadata: the Hub lists
@@ -428,6 +441,7 @@ _PIPELINES = {
     "qwen_image": _qwen_image_pipeline,
     "wan21_1_3b": _wan_pipeline,
     "wan21_14b": _wan_pipeline,
+    "wan22_a14b": _wan_pipeline,
     "flux_kontext": functools.partial(_flux_pipeline, pipeline_class="FluxKontextPipeline"),
     "qwen_image_edit": functools.partial(_qwen_image_pipeline, edit=True),
 }
@@ -499,6 +513,22 @@ def sanity_check(pipe, device: torch.device) -> dict:
     return stats
 
 
+#: Families written with a second expert (transformer_2 and boundary_ratio in model_index.json).
+TWO_EXPERTS = {"wan22_a14b": 0.875}  # Wan2.2-T2V-A14B's boundary_ratio
+
+
+def add_second_expert(folder: Path, boundary_ratio: float = TWO_EXPERTS["wan22_a14b"]) -> None:
+    """Make a saved one-transformer Wan pipeline a two-expert one: `transformer_2` links to
+    `transformer` (relative link: random weights either way, one copy on disk) and
+    model_index.json names it and the boundary, as Wan2.2-T2V-A14B-Diffusers' does."""
+    folder = Path(folder)
+    (folder / "transformer_2").symlink_to("transformer", target_is_directory=True)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["transformer_2"] = index["transformer"]
+    index["boundary_ratio"] = boundary_ratio
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -557,6 +587,8 @@ def write(family: str, out: Path, device: str, layers: int | None = None, seed: 
         done.set()
         reporter.join(timeout=5)
     saved_s = time.perf_counter() - start
+    if family in TWO_EXPERTS:
+        add_second_expert(staging)
     if out.exists():
         out.rmdir()  # empty, checked above
     staging.rename(out)

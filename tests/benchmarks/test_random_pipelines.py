@@ -20,6 +20,7 @@ PUBLISHED_TRANSFORMER_PARAMS = {
     "qwen_image": 20_430_401_088,  # Qwen/Qwen-Image transformer ("20B")
     "wan21_1_3b": 1_418_996_800,  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer
     "wan21_14b": 14_288_491_584,  # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer
+    "wan22_a14b": 14_288_491_584,  # Wan-AI/Wan2.2-T2V-A14B-Diffusers, each of its two experts
     # The edit models' transformers are their bases' architectures (derived, not read: see
     # random_pipelines.FAMILIES): black-forest-labs/FLUX.1-Kontext-dev, Qwen/Qwen-Image-Edit.
     "flux_kontext": 11_901_408_320,
