@@ -262,12 +262,14 @@ def cpu_job_note(cfg: Config, cuda: bool) -> str | None:
     if cuda or images <= CPU_SFT_IMAGES_NOTE:
         return None
     hours = images / CPU_SFT_IMAGES_PER_S / 3600
-    look = max(1, 300 * CPU_SFT_IMAGES_PER_S // cfg.data.prompts_per_step)  # steps in ~5 minutes
+    # steps in ~5 minutes; validation is extra, so the one before training is left out (issue 52)
+    look = max(1, 300 * CPU_SFT_IMAGES_PER_S // cfg.data.prompts_per_step)
     return (
         f"note: this job trains {images:,} images ({cfg.trainer.total_steps} steps of "
         f"{cfg.data.prompts_per_step}) and there is no GPU: at a CPU's ~{CPU_SFT_IMAGES_PER_S} images/s "
         f"that is about {hours:,.0f} hours (a GPU job: shapes_sft is ~4000 images/s on one H100). "
-        f"For a look in about 5 minutes: trainer.total_steps={look}"
+        f"For a look: trainer.total_steps={look} trainer.val_before_train=false (about 5 minutes of "
+        "training, then one validation pass, a few minutes more on a CPU)"
     )
 
 
