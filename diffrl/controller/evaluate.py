@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diffrl.config import load_config
+from diffrl.config.registries import DISTILLATION
 from diffrl.config.schema import Config
 from diffrl.controller.preflight import preflight_common
 from diffrl.controller.run import worker_session
@@ -86,7 +87,7 @@ def evaluate(
     _, val_records = preflight_common(cfg)
     out = check_output_dir(Path(out_dir) if out_dir else default_out, "--out")
     base = None
-    with worker_session(cfg) as (workers, rewards):
+    with _session(cfg) as (workers, rewards):
         if with_base:  # before the load: the workers hold the base model (module docstring)
             base = validation_metrics(run_validation(cfg, workers, rewards, val_records, out, 0))
         step = 0
@@ -114,6 +115,16 @@ def evaluate(
         _print_base_comparison(out, step)
     print(f"wrote {out / 'eval.json'} (all {len(metrics)} metrics) and {out / 'validation'}")
     return metrics
+
+
+def _session(cfg):
+    """The workers that load the run's checkpoints: a distillation run's hold its fake-score adapter too."""
+    if cfg.algorithm.trainer_type == DISTILLATION:
+        from diffrl.controller.distillation import distillation_session
+        from diffrl.controller.preflight import run_plan
+
+        return distillation_session(cfg, run_plan(cfg, "eval"))
+    return worker_session(cfg)
 
 
 def _print_base_comparison(out: Path, step: int) -> None:

@@ -2,6 +2,8 @@
 score's update moves only the fake adapter, the student's only the student, the teacher never
 moves), the two time-scale schedule, the draws, and `diffrl train` end to end."""
 
+import json
+
 import pytest
 import torch
 
@@ -142,3 +144,8 @@ def test_diffrl_train_runs_the_distillation_loop(tmp_path, monkeypatch):
     assert "timing_s/fake_score_update" in rows[1] and "val/rewards/mean" in rows[2]
     assert (tmp_path / "dmd" / "export").is_dir()
     assert (tmp_path / "dmd" / "checkpoints").is_dir()
+    # diffrl eval loads the run's checkpoint (both adapters) and validates the student as the run did
+    assert main(["eval", str(tmp_path / "dmd"), "--out", str(tmp_path / "eval")]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert evaluated["step"] == 2
+    assert evaluated["metrics"]["val/rewards/mean"] == pytest.approx(rows[2]["val/rewards/mean"], abs=1e-6)
