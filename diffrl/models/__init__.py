@@ -29,6 +29,7 @@ ADAPTERS: dict[str, str] = {
     "WanPipeline": "diffrl.models.wan:WanAdapter",
     "ZImagePipeline": "diffrl.models.zimage:ZImageAdapter",
     "Flux2KleinPipeline": "diffrl.models.flux2:Flux2KleinAdapter",
+    "Flux2Pipeline": "diffrl.models.flux2_dev:Flux2DevAdapter",
     "QwenImage21Pipeline": "diffrl.models.qwen_image21:QwenImage21Adapter",
 }
 

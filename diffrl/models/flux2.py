@@ -62,6 +62,8 @@ class Flux2KleinAdapter(ModelAdapter):
     2x2-patchified 32-channel latents, double- then single-stream blocks)."""
 
     pipeline_class_name: ClassVar[str] = "Flux2KleinPipeline"
+    #: How error messages name the family (FLUX.2 [dev], `flux2_dev`, shares this adapter's code).
+    family_name: ClassVar[str] = "FLUX.2 [klein]"
     max_text_tokens: ClassVar[int] = 512  # the pipeline's tokenizer_max_length
     schedule_convention: ClassVar[str] = "flux"  # linear sigmas; mu is FLUX.2's own (`schedule`)
     latent_layout: ClassVar[str] = "the packed FLUX.2 layout"
@@ -88,6 +90,10 @@ class Flux2KleinAdapter(ModelAdapter):
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
+        self._check_transformer(pipe)
+
+    def _check_transformer(self, pipe) -> None:
+        """Refuse a transformer this family's pipeline does not drive."""
         if pipe.transformer.config.guidance_embeds:
             raise ValueError(
                 "this FLUX.2 transformer has guidance_embeds=True (FLUX.2 [dev], guidance-distilled), which "
@@ -116,7 +122,7 @@ class Flux2KleinAdapter(ModelAdapter):
             raise ValueError("encode_prompts needs at least one prompt")
         if not 1 <= max_sequence_length <= self.max_text_tokens:
             raise ValueError(
-                f"max_sequence_length={max_sequence_length} is out of range for FLUX.2 [klein]: "
+                f"max_sequence_length={max_sequence_length} is out of range for {self.family_name}: "
                 f"use 1..{self.max_text_tokens}"
             )
         if negative_prompts is not None and len(negative_prompts) != len(prompts):
@@ -201,13 +207,13 @@ class Flux2KleinAdapter(ModelAdapter):
     def _latent_hw(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
         """VAE latent (h, w) = (H/8, W/8); H and W must be multiples of 16 (8 x the 2x2 patches)."""
         if num_frames != 1:
-            raise ValueError(f"FLUX.2 [klein] generates images: num_frames must be 1; got {num_frames}")
+            raise ValueError(f"{self.family_name} generates images: num_frames must be 1; got {num_frames}")
         factor = self.pipe.vae_scale_factor
         multiple = factor * 2
         if height <= 0 or width <= 0 or height % multiple or width % multiple:
             # the pipeline would resize silently (a warning); diffrl refuses
             raise ValueError(
-                f"FLUX.2 [klein] needs height and width that are positive multiples of {multiple} "
+                f"{self.family_name} needs height and width that are positive multiples of {multiple} "
                 f"(VAE factor {factor} x 2x2 patches); got {height}x{width}"
             )
         return height // factor, width // factor
@@ -299,7 +305,7 @@ class Flux2KleinAdapter(ModelAdapter):
         out = self.run_transformer(
             hidden_states=hidden,
             timestep=timestep / 1000,
-            guidance=None,
+            guidance=self._guidance(guidance_scale, hidden.shape[0]),
             encoder_hidden_states=embeds,
             txt_ids=txt_ids,
             img_ids=img_ids,
@@ -310,6 +316,14 @@ class Flux2KleinAdapter(ModelAdapter):
         v_uncond, v_cond = out.chunk(2)
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
+    def _guidance(self, guidance_scale: float, rows: int) -> torch.Tensor | None:
+        """The transformer's `guidance` input: none for [klein] (its pipeline passes None)."""
+        return None
+
+    def _unpack(self, latents: torch.Tensor, ids: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Tokens [B, h·w, C] -> [B, C, h, w] with the pipeline's own `_unpack_latents_with_ids`."""
+        return self.pipe._unpack_latents_with_ids(latents, ids, h, w)
+
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int = 1) -> torch.Tensor:
         """Packed normalised latents -> uint8 [B, 3, H, W], as the pipeline after its loop."""
         h, w = self._latent_hw(height, width, num_frames)
@@ -319,7 +333,7 @@ class Flux2KleinAdapter(ModelAdapter):
             ids = pipe._prepare_latent_ids(latents.new_empty(latents.shape[0], 1, h // 2, w // 2)).to(
                 self.device
             )
-            latents = pipe._unpack_latents_with_ids(latents, ids, h // 2, w // 2)
+            latents = self._unpack(latents, ids, h // 2, w // 2)
             mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
             std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
                 latents.device, latents.dtype
@@ -348,7 +362,7 @@ class Flux2KleinAdapter(ModelAdapter):
         """
         if cond_tokens:
             raise ValueError(
-                "Flux2KleinPipeline text-to-image takes no condition images: cond_tokens must be 0"
+                f"{self.pipeline_class_name} text-to-image takes no condition images: cond_tokens must be 0"
             )
         cfg = self.transformer.config
         d = cfg.num_attention_heads * cfg.attention_head_dim
@@ -389,12 +403,7 @@ def tiny_pipeline(seed: int = 0, distilled: bool = True):
     of 48), the tokenizer of `zimage.tiny_qwen3_tokenizer`; `FLUX2_SCHEDULER_CONFIG`. 32x32
     images give 4 image tokens.
     """
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from diffrl.models.zimage import tiny_qwen3_tokenizer
@@ -419,17 +428,7 @@ def tiny_pipeline(seed: int = 0, distilled: bool = True):
                 pad_token_id=ids("<|endoftext|>"),
             )
         )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=32,
-            norm_num_groups=4,
-            sample_size=64,
-            mid_block_add_attention=False,
-        )
-        with torch.no_grad():
-            vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
-            vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+        vae = tiny_vae()
         transformer = Flux2Transformer2DModel(
             patch_size=1,
             in_channels=128,
@@ -449,6 +448,26 @@ def tiny_pipeline(seed: int = 0, distilled: bool = True):
         transformer=transformer.eval(),
         is_distilled=distilled,
     )
+
+
+def tiny_vae():
+    """The tiny FLUX.2 VAE (both FLUX.2 families'): `AutoencoderKLFlux2` with 32 latent channels and
+    an 8x downsampling (4 blocks), its batch-norm statistics set to random values (so that the
+    normalisation matters), from the current random state."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=32,
+        norm_num_groups=4,
+        sample_size=64,
+        mid_block_add_attention=False,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(0.5 + torch.rand_like(vae.bn.running_var))
+    return vae
 
 
 __all__ = ["Flux2KleinAdapter", "build_tiny", "build_tiny_base"]

@@ -29,6 +29,7 @@ FAMILY_BUILDERS: dict[str, str] = {
     "zimage": "diffrl.models.zimage",
     "flux2_klein": "diffrl.models.flux2",
     "flux2_klein_base": "diffrl.models.flux2:build_tiny_base",
+    "flux2_dev": "diffrl.models.flux2_dev",
     "qwen_image21": "diffrl.models.qwen_image21_tiny",
 }
 for _name, _builder in FAMILY_BUILDERS.items():
