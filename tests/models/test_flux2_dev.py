@@ -204,3 +204,40 @@ def test_builder_is_deterministic(tmp_path, tiny_model):
         assert (tiny_dir / rel).read_bytes() == (again / rel).read_bytes(), rel
     weights = "transformer/diffusion_pytorch_model.safetensors"
     assert (tiny_dir / weights).read_bytes() != (other / weights).read_bytes()
+
+
+def test_sde_log_probs_are_the_step_math(dev):
+    """An SDE rollout's log-probs: `sde.step` on the adapter's velocity (guidance embedding on) at
+    the stored latents, a Gaussian density computed here, and the trainer's `evaluate_step`, bit
+    for bit."""
+    from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig, ValidationConfig
+    from diffrl.rollout import TrajectorySampler
+    from diffrl.transition import evaluate_step
+
+    cfg = RolloutConfig(
+        n=2,
+        micro_batch_size=4,
+        pipeline=PipelineConfig(
+            height=H, width=W, num_inference_steps=4, guidance_scale=GUIDANCE, max_sequence_length=MAX_LEN
+        ),
+        sde=SdeConfig(type="sde", noise_level=0.7, window_size=2, window_range=[0, 3]),
+        val=ValidationConfig(n=1, seed=3),
+    )
+    rollout = TrajectorySampler(dev, cfg, progress=False).sample(PROMPTS, seed=1, step=0)
+    sigma_1 = dev.schedule(4, H, W).sigma_1
+    cond = rollout.sample_cond()
+    assert not cond.has_negative and rollout.window_size == 2
+    for j in range(2):
+        x, x_next = rollout.samples.window_latents[:, j], rollout.samples.window_latents[:, j + 1]
+        with torch.no_grad():
+            v = dev.velocity(x, rollout.timesteps[j].expand(4), cond, GUIDANCE, H, W)
+        out = sde.step(
+            "sde", x, v, rollout.sigmas[j], rollout.sigmas[j + 1], 0.7, sigma_1=sigma_1, next_latents=x_next
+        )
+        assert torch.equal(out.log_prob_B, rollout.samples.log_probs_BW[:, j])
+        std = out.std_B.view(-1, 1, 1).expand_as(x)
+        gaussian = torch.distributions.Normal(out.mean, std).log_prob(x_next).mean(dim=(1, 2))
+        torch.testing.assert_close(gaussian, out.log_prob_B, rtol=0, atol=1e-5)
+        with torch.no_grad():
+            again = evaluate_step(dev, rollout, j)
+        assert torch.equal(again.log_prob_B, rollout.samples.log_probs_BW[:, j])
