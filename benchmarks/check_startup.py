@@ -1,7 +1,7 @@
 """What `trainer.check_at_start` adds to `diffrl train`'s start-up: the seconds from the start of
 `train()` (imports excluded) to where it starts its workers, with the quick check on and off.
 
-Each case runs in a fresh process: `diffrl.controller.run.run_job` is replaced by one that stops there,
+Each case runs in a fresh process: `diffrl.controller.run.attempt` (the workers' start) is replaced by one that stops there,
 so nothing is written and no worker starts. Prints one JSON line.
 
     python benchmarks/check_startup.py default            # the default CPU job
@@ -26,7 +26,7 @@ class Started(Exception):
 def job(*args, **kwargs):
     raise Started
 
-run.run_job = job
+run.attempt = job
 start = time.perf_counter()
 try:
     run.train(sys.argv[1], sys.argv[2:])

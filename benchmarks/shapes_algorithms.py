@@ -107,7 +107,14 @@ ALGORITHMS = {
 }
 #: shapes_* presets that are not an RL algorithm of their own.
 # shapes_base: the base of the others, Flow-GRPO again (shapes_flow_grpo is the algorithm's run)
-NOT_ALGORITHMS = ("shapes_sft", "shapes_edit_sft", "shapes_async", "shapes_edit", "shapes_base")
+NOT_ALGORITHMS = (
+    "shapes_sft",
+    "shapes_edit_sft",
+    "shapes_async",
+    "shapes_edit",
+    "shapes_base",
+    "shapes_dmd",
+)  # shapes_dmd: distillation, another task
 
 ACCURACY = "val/accuracy"
 STEP_SECONDS = "timing_s/step"

@@ -257,16 +257,21 @@ def run_job(
     *,
     rl: bool = False,
     plan: RunPlan | None = None,
+    before_start: Callable[[], None] | None = None,
 ) -> T:
-    """Own the run directory (`run_folder`), print the run plan (`plan`, resolved here when not
-    given: `rl` a training job, else a supervised one), start the workers (`rl`: the configured
-    placement) and the loggers, and return `body(job, state)`; stop them on exit. After a worker
+    """Own the run directory (`run_folder`: it also checks the resume checkpoint against the
+    config), print the run plan (`plan`, resolved here when not given: `rl` a training job, else a
+    supervised one), call `before_start` (the start-up check: after every cheap refusal, before
+    the workers), start the workers (`rl`: the configured placement) and the loggers, and return
+    `body(job, state)`; stop them on exit. After a worker
     death, with trainer.max_restarts, the workers start again and `body` runs again on the newest
     complete checkpoint (`restarts.run_with_restarts`: `state["restarted"]` says so, and `body`
     puts its loop in `state["loop"]`, whose step names the failed one)."""
     plan = plan or run_plan(cfg, "train" if rl else "sft")
     with run_folder(cfg, source) as folder:
         print("\n".join(plan.lines()), flush=True)  # after the run's first line, before workers start
+        if before_start is not None:
+            before_start()
 
         def once(checkpoint: Path | None, state: dict[str, Any]) -> T:
             with attempt(cfg, folder, checkpoint, rl=rl, plan=plan, restarted=state["restarted"]) as j:
@@ -335,17 +340,17 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
         return finished  # before any model loads: nothing to do
     train_records, val_records = preflight(cfg)
     plan = run_plan(cfg)
-    checked = None
-    if cfg.trainer.check_at_start:
+
+    def check() -> None:
+        """`diffrl check --quick` (trainer.check_at_start): after the run folder and its resume
+        checkpoint passed (a resume with other LoRA settings is refused from small files, before
+        this check loads the model), before the workers start."""
         from diffrl.controller.check import check_at_start
 
-        checked = check_at_start(cfg, train_records, val_records, plan=plan)
+        if (line := check_at_start(cfg, train_records, val_records, plan=plan)) is not None:
+            print(line, flush=True)
 
     def body(j: Job, state: dict[str, Any]) -> tuple[Job, TrainingLoop]:
-        if (
-            checked is not None and not state["restarted"]
-        ):  # after the run's first line, which says where to look
-            print(checked, flush=True)
         loop_args = dict(
             placement=j.workers,
             rewards=j.rewards,
@@ -369,7 +374,9 @@ def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
         print_report(j)
         return j, trainer
 
-    j, trainer = run_job(cfg, source, body, rl=True, plan=plan)
+    j, trainer = run_job(
+        cfg, source, body, rl=True, plan=plan, before_start=check if cfg.trainer.check_at_start else None
+    )
     if trainer.stopped is not None:  # after the exports and the report: the run ended cleanly
         raise HealthStop(trainer.stopped)
     return j.run_dir

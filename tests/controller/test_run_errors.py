@@ -165,7 +165,8 @@ def test_a_resume_with_other_lora_target_modules_is_refused_at_start(
 ):
     """Issue 51, probe 5: other model.lora.target_modules failed only inside the worker's load, as a
     worker traceback after the run had started. The run's own list (the family's default, null in
-    the config) and the same list written out both resume; any other is exit 2 naming both."""
+    the config) and the same list written out both resume; any other is exit 2 naming both, before
+    trainer.check_at_start's check (which loads the model and samples) runs."""
     run_dir = tmp_path / "done"
     shutil.copytree(finished_run, run_dir)
     before = snapshot(run_dir)
@@ -174,8 +175,11 @@ def test_a_resume_with_other_lora_target_modules_is_refused_at_start(
         train(tmp_path, *FAST, "trainer.total_steps=2", "model.lora.target_modules=[to_q,to_k]", name="done")
         == 2
     )
-    err = capsys.readouterr().err
+    printed = capsys.readouterr()
+    err = printed.err
     assert "was saved with LoRA on ['attn.add_k_proj'" in err and "this config adapts ['to_k', 'to_q']" in err
+    # refused from the checkpoint's small files before the start-up check loads the model (re-probe)
+    assert "setup check (diffrl check --quick)" not in printed.out + printed.err
     assert "set model.lora.target_modules=[attn.add_k_proj," in err
     assert snapshot(run_dir) == before
     from diffrl.models.sd3 import SD3Adapter

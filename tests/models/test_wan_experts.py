@@ -204,3 +204,30 @@ def test_a_directory_with_one_half_of_the_two_experts_is_refused(tiny_dir, tmp_p
     (broken / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="needs both"):
         load_model(broken, dtype="float32")
+
+
+def test_a_training_step_moves_both_experts_lora_and_exports_both(tmp_path, monkeypatch):
+    """`diffrl train` (Flow-GRPO, tiny_wan_video's loop) on tiny:wan22_a14b with the SDE window over
+    all 4 steps (t = 1000, 900 on the high-noise expert; 750, 500 on the low-noise one): after one
+    step both experts' LoRA B (zero at the start) have moved, and the export has both files."""
+    from diffrl.controller.run import train
+
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    run = train(
+        "tiny_wan_video",
+        [
+            "model.path=tiny:wan22_a14b",
+            "rollout.sde.window_size=4",
+            "rollout.sde.window_range=[0,4]",
+            "trainer.total_steps=1",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.check_at_start=false",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=a14b",
+        ],
+    )
+    for file in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"):
+        tensors = load_file(run / "export" / file)
+        moved = max(float(v.abs().max()) for k, v in tensors.items() if ".lora_B." in k)
+        assert moved > 0, file
