@@ -192,7 +192,7 @@ def test_lora_spans_both_experts_and_the_export_is_what_diffusers_loads(tiny_dir
     with torch.no_grad():
         torch.testing.assert_close(_ode(sampled, noise, cond, 4.0), ours, rtol=1e-5, atol=1e-5)
     (out / files[1]).unlink()
-    with pytest.raises(ValueError, match="pytorch_lora_weights_transformer_2.safetensors"):
+    with pytest.raises(ValueError, match=r"pytorch_lora_weights_transformer_2\.safetensors"):
         load_lora(load_model(tiny_dir, dtype="float32"), out)
 
 
