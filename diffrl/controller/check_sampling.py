@@ -72,7 +72,9 @@ def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[Call]]:
         )
 
     # on each expert (Wan2.2 A14B): the family's pipeline calls them itself, not diffrl's module of the two
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in trained_components(transformer)]
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in trained_components(transformer)
+    ]
     try:
         yield calls
     finally:
