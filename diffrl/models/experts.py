@@ -97,25 +97,24 @@ class TimestepExperts(torch.nn.Module, PeftAdapterMixin):
             )
         batch = hidden_states.shape[0]
         index = self.expert_index(timestep.expand(batch) if timestep.dim() == 0 else timestep)
-        needed = torch.stack([(index == i).any() for i in range(len(self.names))]).to(torch.int32)
-        lockstep = self._sharded_ranks()
-        if lockstep:
+        here = torch.bincount(index, minlength=len(self.names))  # this rank's samples per expert
+        needed = here.clamp(max=1).to(torch.int32)
+        if self._sharded_ranks():  # the experts every rank runs: the union of what each needs
             torch.distributed.all_reduce(needed, op=torch.distributed.ReduceOp.MAX)
+        here_list, needed_list = here.tolist(), needed.tolist()  # the forward's one host sync
         inputs = {"hidden_states": hidden_states, "timestep": timestep, **kwargs}
-        only = int(index[0]) if bool((index == index[0]).all()) else None
-        if only is not None and int(needed.sum()) == 1:  # one expert for the whole batch, on every rank
-            return self.experts[only](**inputs, return_dict=False)
+        if sum(needed_list) == 1:  # one expert for the whole batch, on every rank
+            return self.experts[needed_list.index(1)](**inputs, return_dict=False)
         out: torch.Tensor | None = None
         idle: list[torch.Tensor] = []
         for i, expert in enumerate(self.experts):
-            if not needed[i]:
+            if not needed_list[i]:
+                continue
+            if not here_list[i]:  # another rank needs this expert: run it on one sample, add 0 x it
+                one = torch.zeros(1, dtype=torch.long)
+                idle.append(expert(**_rows(inputs, one, batch), return_dict=False)[0])
                 continue
             rows = (index == i).nonzero().flatten()
-            if rows.numel() == 0:  # another rank needs this expert: run it on one sample, add 0 x it
-                idle.append(
-                    expert(**_rows(inputs, torch.zeros(1, dtype=torch.long), batch), return_dict=False)[0]
-                )
-                continue
             part = expert(**_rows(inputs, rows, batch), return_dict=False)[0]
             if out is None:
                 out = part.new_zeros((batch, *part.shape[1:]))
@@ -126,14 +125,15 @@ class TimestepExperts(torch.nn.Module, PeftAdapterMixin):
         return (out,)
 
     def _sharded_ranks(self) -> bool:
-        """Whether the experts are FSDP2-sharded over several ranks (each forward a collective)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return False
-        if torch.distributed.get_world_size() < 2:
-            return False
+        """Whether the experts are FSDP2-sharded over several ranks (each forward a collective):
+        the engine shards the root, so its class (FSDP2 swaps in a subclass) says it."""
         from torch.distributed.fsdp import FSDPModule
 
-        return any(isinstance(m, FSDPModule) for m in self.modules())
+        return (
+            isinstance(self, FSDPModule)
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        )
 
 
 def expert_lora_file(component: str) -> str:
