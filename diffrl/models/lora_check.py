@@ -141,6 +141,27 @@ def require_trained_covered(
         )
 
 
+def diffusers_lora_key(key: str, adapter_name: str, prefix: str = "transformer") -> str:
+    """A module's adapter key as the diffusers LoRA file names it: the adapter name dropped (peft's
+    `get_peft_model_state_dict`), the component prefixed (`save_lora_weights`):
+    `blocks.0.to_q.lora_A.default.weight` -> `transformer.blocks.0.to_q.lora_A.weight`."""
+    parts = key.split(".")
+    kept = [
+        part
+        for index, part in enumerate(parts)
+        if not (part == adapter_name and index > 0 and parts[index - 1] in ADAPTER_PARTS)
+    ]
+    return ".".join([prefix, *kept])
+
+
+def file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file, from its header (no tensor is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+
+
 def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str, *, into: str | None = None) -> int:
     """After `pipe.load_lora_weights(..., adapter_name=adapter_name)`: raise AdapterMismatchError
     unless every adapter tensor of `lora_file` is bound in the pipeline under `adapter_name`, with
@@ -153,10 +174,7 @@ def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str, *, int
     write) is compared name by name; a file in another form (kohya's `lora_unet_*`, `lora_down`,
     which diffusers converts) cannot be mapped back, so for it only "at least one module bound" is
     required. Only the safetensors header is read (shapes), no tensor."""
-    from safetensors import safe_open
-
-    with safe_open(str(lora_file), framework="pt") as handle:
-        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    shapes = file_shapes(lora_file)
     components = {}
     for name in [into] if into is not None else list(getattr(pipe, "components", {})):
         component = getattr(pipe, name, None)
@@ -167,7 +185,7 @@ def check_lora_file_bound(pipe, lora_file: str | Path, adapter_name: str, *, int
         for key, value in component.state_dict().items():
             parts = key.split(".")
             if any(a in ADAPTER_PARTS and b == adapter_name for a, b in itertools.pairwise(parts)):
-                bound[f"{name}.{key.replace(f'.{adapter_name}.', '.', 1)}"] = tuple(value.shape)
+                bound[diffusers_lora_key(key, adapter_name, name)] = tuple(value.shape)
     where = f"loading {lora_file} into {type(pipe).__name__}" + (f".{into}" if into else "")
     fix = "the LoRA does not fit this model (another base model or family?), or diffusers does not convert its key format"
     if not bound:
@@ -191,6 +209,8 @@ __all__ = [
     "AdapterMismatchError",
     "check_adapter_tensors",
     "check_lora_file_bound",
+    "diffusers_lora_key",
+    "file_shapes",
     "module_of",
     "require_trained_covered",
     "shapes_of",

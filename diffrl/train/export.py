@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from diffrl.files import naming, umask_mode
 from diffrl.models.experts import expert_lora_file, trained_components
+from diffrl.models.lora_check import diffusers_lora_key
 from diffrl.train.distributed import barrier, rank
 
 
@@ -174,21 +175,6 @@ def export_lora(
     return out
 
 
-def diffusers_lora_key(key: str, adapter_name: str, prefix: str = "transformer") -> str:
-    """A module's adapter key as the diffusers LoRA file names it: the adapter name dropped (peft's
-    `get_peft_model_state_dict`), the component prefixed (`save_lora_weights`):
-    `blocks.0.to_q.lora_A.default.weight` -> `transformer.blocks.0.to_q.lora_A.weight`."""
-    from diffrl.models.lora_check import ADAPTER_PARTS
-
-    parts = key.split(".")
-    kept = [
-        part
-        for index, part in enumerate(parts)
-        if not (part == adapter_name and index > 0 and parts[index - 1] in ADAPTER_PARTS)
-    ]
-    return ".".join([prefix, *kept])
-
-
 def check_lora_file(transformer: nn.Module, file: Path, adapter_name: str) -> None:
     """Raise AdapterMismatchError unless the LoRA file written holds every tensor of adapter
     `adapter_name` (and every trained one), by the diffusers names and shapes, and nothing else.
@@ -198,12 +184,14 @@ def check_lora_file(transformer: nn.Module, file: Path, adapter_name: str) -> No
     writer both stand between the module and the file, and either dropping a module (as one
     dropped Qwen-Image's `to_out.0`) would leave an export that loads without a word and samples
     as the base model there."""
-    from safetensors import safe_open
+    from diffrl.models.lora_check import (
+        check_adapter_tensors,
+        file_shapes,
+        require_trained_covered,
+        trainable_names,
+    )
 
-    from diffrl.models.lora_check import check_adapter_tensors, require_trained_covered, trainable_names
-
-    with safe_open(str(file), framework="pt") as handle:
-        written = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    written = file_shapes(file)
     is_adapter = adapter_key_predicate(transformer, adapter_name)
     trained = {
         diffusers_lora_key(key, adapter_name): tuple(value.shape)
