@@ -125,14 +125,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    from diffrl.config import load_config
-    from diffrl.config.registries import DISTILLATION
     from diffrl.controller.run import train
     from diffrl.controller.stopping import Interrupted, stop_signals
     from diffrl.telemetry.health import HealthStop
 
-    if load_config(source, overrides).algorithm.trainer_type == DISTILLATION:
-        from diffrl.controller.distillation import distill as train  # its own loop and worker
     try:
         with stop_signals(["diffrl", "train", *args.items]) as signals:  # Ctrl-C, SIGTERM
             run_dir = train(source, overrides)

@@ -25,6 +25,7 @@ from diffrl.algos.spec import worker_options
 from diffrl.config import load_config, to_yaml
 from diffrl.config.history import record_config
 from diffrl.config.plan import PLAN_FILE, RunPlan
+from diffrl.config.registries import DISTILLATION
 from diffrl.config.schema import Config
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.placement import Colocated, Placement, Separate
@@ -332,8 +333,14 @@ def run_loop(loop: TrainingLoop, checkpoint: Path | None, plan: RunPlan | None =
 
 
 def train(source: str | None, overrides: Sequence[str] = ()) -> Path:
-    """Run a training job; returns its run directory."""
+    """Run a training job; returns its run directory. A distillation job
+    (algorithm.trainer_type=distillation) runs its own loop and worker
+    (`diffrl.controller.distillation.distill`)."""
     cfg = load_config(source, overrides)
+    if cfg.algorithm.trainer_type == DISTILLATION:
+        from diffrl.controller.distillation import distill
+
+        return distill(source, overrides)
     from diffrl.telemetry.report import skip_if_finished
 
     if (finished := skip_if_finished(cfg.trainer)) is not None:
