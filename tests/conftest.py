@@ -41,6 +41,64 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist worksteal` that keeps a test module on one worker where it can (see
+    WorkStealKeepingModules); other --dist modes are xdist's own."""
+    if config.getvalue("dist") != "worksteal":
+        return None
+    return _work_steal_keeping_modules()(config, log)
+
+
+def _work_steal_keeping_modules():
+    from xdist.scheduler import WorkStealingScheduling
+
+    class WorkStealKeepingModules(WorkStealingScheduling):
+        """xdist's work stealing, with every chunk of tests it sends or steals made of whole test
+        modules where it can be. Plain worksteal cuts the collection anywhere: a module's tests then
+        run on both workers, or on one worker with another module's tests between them, and each
+        part builds the module's fixtures again (a module-scoped run of separate pools is 30-60 s
+        on 2 cores, and the fault-injection module's zygote imports diffrl). A steal that would
+        have to cut the module its victim is already in takes the tests as plain worksteal does,
+        so no worker idles while another has tests queued."""
+
+        def _module(self, index: int) -> str:
+            return self.collection[index].split("::", 1)[0]
+
+        def _send_tests(self, node, num: int) -> None:
+            # the first chunk of the start (or a later one) ends where a module ends
+            while 0 < num < len(self.pending) and self._module(self.pending[num - 1]) == self._module(
+                self.pending[num]
+            ):
+                num += 1
+            super()._send_tests(node, num)
+
+        def add_node(self, node) -> None:
+            super().add_node(node)
+            send_steal = node.send_steal
+
+            def whole_modules(indices):
+                send_steal(self._steal_whole_modules(self.node2pending[node], list(indices)))
+
+            node.send_steal = whole_modules
+
+        def _steal_whole_modules(self, pending: list[int], indices: list[int]) -> list[int]:
+            """The tail of `pending` to steal instead of `indices` (a tail of it): from the first
+            module start inside it on; else from the start of the module it lies in, if the victim
+            has not begun that module (its first pending test, the one running, is before it)."""
+            start = len(pending) - len(indices)
+            if start <= 0 or pending[start:] != indices:
+                return indices
+            for at in range(start, len(pending)):
+                if self._module(pending[at - 1]) != self._module(pending[at]):
+                    return pending[at:]
+            at = start
+            while at > 1 and self._module(pending[at - 1]) == self._module(pending[start]):
+                at -= 1
+            return pending[at:] if self._module(pending[at - 1]) != self._module(pending[at]) else indices
+
+    return WorkStealKeepingModules
+
+
 @pytest.fixture(autouse=True)
 def _fresh_check_records(tmp_path_factory, monkeypatch):
     """Each test starts with no record of a passed start-up check (diffrl.controller.check_cache):
