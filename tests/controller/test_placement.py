@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from in_process_pools import in_process_pools
 
 from diffrl.config import load_config
 from diffrl.controller.placement import Separate
@@ -202,8 +203,11 @@ def test_after_every_sync_the_replicas_hold_the_trainers_weights_bitwise(synced_
 @pytest.fixture(scope="module")
 def one_step_off_runs(shared_ray, tmp_path_factory) -> dict[str, dict[int, dict]]:
     """One-step-off runs with KL, four steps validated at 2 and 4: the reference and old log-prob
-    passes on the replicas (`auto`) and on the trainer. Two tests read them (each run starts three
-    model workers: on 2 cores most of a run's time)."""
+    passes on the replicas (`auto`), on Ray's two replicas, and on the trainer, with the pools in
+    this process (tests/controller/in_process_pools.py: one replica). Two tests read them. The
+    second run's pools are in-process because a Ray run starts three model workers, on 2 cores
+    most of its time; its metrics are those of the same run on Ray (test_bounded.py checks the
+    harness), so the comparison still tells whether the passes' placement changes the run."""
     out = tmp_path_factory.mktemp("one_step_off")
     args = [
         *BASE[1:],
@@ -217,12 +221,16 @@ def one_step_off_runs(shared_ray, tmp_path_factory) -> dict[str, dict[int, dict]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")
         env.setenv("DIFFRL_CACHE", str(shared_ray))
-        return {
-            "replicas": read_metrics(train(BASE[0], [*args, "trainer.run_name=replicas"])),
-            "trainer": read_metrics(
-                train(BASE[0], [*args, "rollout.log_prob_passes=trainer", "trainer.run_name=trainer"])
-            ),
-        }
+        runs = {"replicas": read_metrics(train(BASE[0], [*args, "trainer.run_name=replicas"]))}
+        env.setattr("diffrl.controller.run.placement_session", in_process_pools)
+        on_trainer = [
+            *args,
+            "rollout.replicas=1",
+            "rollout.log_prob_passes=trainer",
+            "trainer.run_name=trainer",
+        ]
+        runs["trainer"] = read_metrics(train(BASE[0], on_trainer))
+        return runs
 
 
 def test_one_step_off_samples_each_batch_one_version_behind_and_trains(one_step_off_runs):
