@@ -56,9 +56,9 @@ for name in ("bf16", "fp8_all", "fp8_sampling"):
     print("   rollout_correction", {k: r3(v) for k, v in f.get("rollout_correction", {}).items()})
 g = last("gemms")
 for shape, s in g.get("shapes", {}).items():
-    print(f"gemm {shape}: fwd {s['bf16_fwd_ms']} -> {s['fp8_fwd_ms']} ms (x{s['speedup_fwd']}), fwd+bwd {s['bf16_fwd_bwd_ms']} -> "
-          f"{s['fp8_fwd_bwd_ms']} ms (x{s['speedup_fwd_bwd']}), rel err {s['fp8_rel_error']}")
-if "shapes" not in g:
-    print("gemms", g)
+    modes = sorted({k[: -len("_fwd_ms")] for k in s if k.endswith("_fwd_ms")} - {"bf16"})
+    print(f"gemm {shape} (M {s['M']}, K {s['K']}, N {s['N']}): bf16 fwd {s['bf16_fwd_ms']} ms, fwd+bwd {s['bf16_fwd_bwd_ms']} ms")
+    for m in modes:
+        print(f"   {m}: fwd x{s[m + '_fwd_speedup']}, fwd+bwd x{s[m + '_fwd_bwd_speedup']}, rel err {s[m + '_rel_error']}")
 EOF
 echo "done at ${SECONDS}s"
