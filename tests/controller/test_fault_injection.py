@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from fault_zygote import run_until_killed, start_zygote, wait_gone
+from in_process_pools import in_process_pools
 
+from diffrl.controller.run import train as run_train
 from diffrl.telemetry import read_metrics
 
 ARGS = [
@@ -225,10 +227,14 @@ def test_a_dead_actor_ends_a_one_step_off_run_naming_it(zygote, tmp_path, kill, 
     assert wait_gone(tag, log, 20) == {}, "processes of the failed run were left behind"
 
 
-def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupted_run(zygote, tmp_path):
+def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupted_run(
+    zygote, tmp_path, monkeypatch
+):
     """Checkpoints at steps 2 and 4: step 3 samples its own batch and starts step 4's, step 4
     trains on that in-flight batch. A kill in step 3 and another in step 4 (the in-flight batch
-    lost with the driver) resume from step 2 and log what the uninterrupted run logged."""
+    lost with the driver) resume from step 2 and log what the uninterrupted run logged. That
+    run's pools are in this process (tests/controller/in_process_pools.py, whose metrics
+    test_bounded.py checks against Ray's): a Ray run would start Ray and two model workers."""
     start = time.monotonic()
     train = [
         "train",
@@ -255,7 +261,10 @@ def test_kill_9_mid_step_in_one_step_off_mode_then_resume_matches_an_uninterrupt
     run_dir = tmp_path / "killed"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
     # the uninterrupted run after the kills: Ray's agents of the killed drivers end meanwhile
-    assert zygote([*train, "trainer.run_name=full"]) == 0, zygote.log.read_text()[-3000:]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("diffrl.controller.run.placement_session", in_process_pools)
+    run_train(train[1], [*train[2:], "trainer.run_name=full"])
     assert zygote(killed) == 0, zygote.log.read_text()[-3000:]
     expected, got = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
     assert _steps_of_lines(run_dir) == [1, 2, 3, 4]
