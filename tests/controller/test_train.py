@@ -111,6 +111,63 @@ def test_two_ray_workers_two_steps_end_to_end(tmp_path, monkeypatch, shared_ray)
         assert replicated[1][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-9), key
 
 
+#: A shapes job shrunk to two small steps that validate before and after (a 4-step schedule).
+TWO_SMALL_STEPS = [
+    "trainer.total_steps=2",
+    "trainer.test_freq=2",
+    "trainer.save_freq=2",
+    "data.prompts_per_step=2",
+    "rollout.n=4",
+    "rollout.micro_batch_size=8",
+    "actor.mini_batch_size=8",
+    "actor.micro_batch_size=8",
+    "rollout.pipeline.num_inference_steps=4",
+    "rollout.val.num_inference_steps=4",
+    "rollout.val.n=1",
+]
+
+
+@pytest.mark.parametrize(
+    ("preset", "extra"),
+    # the default job trains on steps 0-4, beyond the shrunk 4-step schedule: its range shrinks too
+    [("shapes_async", []), (None, ["algorithm.train_step_range=[0,3]"]), ("shapes_flow_grpo", [])],
+)
+def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, shared_ray, preset, extra):
+    """The default job (CFG-free DiffusionNFT on the shapes world with the shipped toy:shapes
+    model), Flow-GRPO's CPU job (`shapes_flow_grpo`) and its one-step-off form with a separate
+    trainer and rollout replica (`shapes_async`), shrunk to two small steps: each completes,
+    validates before and after, and writes the report. `shapes_async` runs on Ray: it joins the
+    tests' shared cluster (tests/conftest.py), which test_two_ray_workers_two_steps_end_to_end
+    just before it started (the others run in this process and leave it be)."""
+    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
+    # the first prompt of each category of the balanced held-out file (the default job validates
+    # on 384 prompts, the others on 96: the report needs every category, not the precision)
+    firsts: dict[str, str] = {}
+    for line in (BUILTIN_DATA / "shapes_heldout_balanced.jsonl").read_text().splitlines():
+        firsts.setdefault(json.loads(line)["data_source"], line)
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text("\n".join(firsts.values()) + "\n")
+    run_dir = train(
+        preset,
+        [
+            f"data.val_files=[{val_file}]",
+            *TWO_SMALL_STEPS,
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=default",
+            "rollout.sde.window_range=[0,3]",
+            *extra,
+        ],
+    )
+    metrics = read_metrics(run_dir)
+    assert 0 <= metrics[0]["val/rewards/shapes/accuracy_mean"] <= 1
+    assert 0 <= metrics[2]["val/position/accuracy"] <= 1
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (report["before_step"], report["after_step"]) == (0, 2)
+    assert set(report["before"]) == set(report["after"])
+    for name in ("before_after.png", "reward_curve.png", "summary.json"):
+        assert (run_dir / name).is_file(), name
+
+
 def test_old_log_prob_reuse_agrees_with_forced_recompute(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
     common = [
@@ -296,61 +353,6 @@ def test_bad_data_rows_name_the_line(tmp_path, capsys):
 def test_preset_typo(capsys):
     assert main(["train", "tiny_sd4"]) == 2
     assert "Did you mean 'tiny_sd3'" in capsys.readouterr().err
-
-
-#: A shapes job shrunk to two small steps that validate before and after (a 4-step schedule).
-TWO_SMALL_STEPS = [
-    "trainer.total_steps=2",
-    "trainer.test_freq=2",
-    "trainer.save_freq=2",
-    "data.prompts_per_step=2",
-    "rollout.n=4",
-    "rollout.micro_batch_size=8",
-    "actor.mini_batch_size=8",
-    "actor.micro_batch_size=8",
-    "rollout.pipeline.num_inference_steps=4",
-    "rollout.val.num_inference_steps=4",
-    "rollout.val.n=1",
-]
-
-
-@pytest.mark.parametrize(
-    ("preset", "extra"),
-    # the default job trains on steps 0-4, beyond the shrunk 4-step schedule: its range shrinks too
-    [(None, ["algorithm.train_step_range=[0,3]"]), ("shapes_flow_grpo", []), ("shapes_async", [])],
-)
-def test_default_job_short_run_writes_its_report(tmp_path, monkeypatch, preset, extra):
-    """The default job (CFG-free DiffusionNFT on the shapes world with the shipped toy:shapes
-    model), Flow-GRPO's CPU job (`shapes_flow_grpo`) and its one-step-off form with a separate
-    trainer and rollout replica (`shapes_async`), shrunk to two small steps: each completes,
-    validates before and after, and writes the report."""
-    monkeypatch.setenv("DIFFRL_CACHE", str(tmp_path / "cache"))
-    # the first prompt of each category of the balanced held-out file (the default job validates
-    # on 384 prompts, the others on 96: the report needs every category, not the precision)
-    firsts: dict[str, str] = {}
-    for line in (BUILTIN_DATA / "shapes_heldout_balanced.jsonl").read_text().splitlines():
-        firsts.setdefault(json.loads(line)["data_source"], line)
-    val_file = tmp_path / "val.jsonl"
-    val_file.write_text("\n".join(firsts.values()) + "\n")
-    run_dir = train(
-        preset,
-        [
-            f"data.val_files=[{val_file}]",
-            *TWO_SMALL_STEPS,
-            f"trainer.output_dir={tmp_path}",
-            "trainer.run_name=default",
-            "rollout.sde.window_range=[0,3]",
-            *extra,
-        ],
-    )
-    metrics = read_metrics(run_dir)
-    assert 0 <= metrics[0]["val/rewards/shapes/accuracy_mean"] <= 1
-    assert 0 <= metrics[2]["val/position/accuracy"] <= 1
-    report = json.loads((run_dir / "report.json").read_text())
-    assert (report["before_step"], report["after_step"]) == (0, 2)
-    assert set(report["before"]) == set(report["after"])
-    for name in ("before_after.png", "reward_curve.png", "summary.json"):
-        assert (run_dir / name).is_file(), name
 
 
 def test_shapes_edit_job_short_run_writes_its_report_with_the_source_images(tmp_path, monkeypatch):
