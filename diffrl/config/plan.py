@@ -433,7 +433,8 @@ def torchao_problem(mode: str) -> str | None:
 
 def check_fp8(cfg: Any, plan: RunPlan, accelerator: str) -> None:
     """`model.fp8` against the machine and the plan, before any worker starts: float8 GEMMs need
-    a GPU (the worker checks its compute capability, diffrl.train.fp8.check_device) and torchao;
+    a GPU (the worker checks its compute capability, diffrl.train.fp8.check_device), and torchao
+    for full fine-tuning or FSDP2;
     sampling in float8 while the trainer computes in 16 bits makes the rollout's log-probs other
     than the trainer's, so they cannot serve as PPO's old ones."""
     mode = cfg.model.fp8
@@ -445,9 +446,12 @@ def check_fp8(cfg: Any, plan: RunPlan, accelerator: str) -> None:
             f"8.9 or newer: L4, L40S, H100, H200, B200), but this run's workers have no GPU "
             f"(accelerator {accelerator}): set model.fp8=none"
         )
-    problem = torchao_problem(mode)
-    if problem:
-        raise ConfigError(problem)
+    # a frozen base casts once with torch's own float8 GEMM; torchao's training linear serves
+    # trained weights (full fine-tuning) and sharded ones (diffrl.train.fp8)
+    if cfg.model.lora.rank == 0 or plan.strategy == "fsdp2":
+        problem = torchao_problem(mode)
+        if problem:
+            raise ConfigError(problem)
     if mode == "sampling" and plan.reuses_rollout_log_probs:
         raise ConfigError(
             "model.fp8=sampling with algorithm.old_log_probs=rollout: the sampler's float8 GEMMs give "

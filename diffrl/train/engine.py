@@ -110,10 +110,6 @@ class TrainEngine:
             if with_reference if with_reference is not None else actor_cfg.loss.kl_coef > 0:
                 # A frozen copy of the base weights, on the same device.
                 self.reference = copy.deepcopy(transformer).requires_grad_(False).eval()
-        if model_cfg.fp8 != "none":  # after LoRA (only base layers convert), before sharding and compile
-            from diffrl.train import fp8
-
-            fp8.prepare(adapter, model_cfg.fp8, reference=self.reference)
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if strategy is None:
@@ -126,6 +122,17 @@ class TrainEngine:
                 param_offload=actor_cfg.param_offload,
             ).strategy
         self.strategy = strategy
+        if model_cfg.fp8 != "none":  # after LoRA (only base layers convert), before sharding and compile
+            from diffrl.train import fp8
+
+            fp8.prepare(
+                adapter,
+                model_cfg.fp8,
+                scaling=model_cfg.fp8_scaling,
+                # sharded, a frozen layer casts per call: whole float8 copies would sit on every rank
+                cast_once=strategy != "fsdp2",
+                reference=self.reference,
+            )
         # ddp: every rank holds the whole model and averages the gradients before each optimizer
         # step; fsdp2: sharded over the group, or a one-rank group of this process on one worker
         shared = parallel.prepare(adapter, strategy, param_offload=actor_cfg.param_offload)
@@ -397,7 +404,10 @@ class TrainEngine:
         if not self.lora:
             raise ValueError("full fine-tuning has no LoRA to export: use export_full")
         export_lora(
-            self.transformer, Path(out_dir), pipeline_class=type(self.adapter.pipe), adapter_name=adapter_name
+            self.transformer,
+            Path(out_dir),
+            pipeline_class=self.adapter.lora_file_class,
+            adapter_name=adapter_name,
         )
         return Path(out_dir)
 

@@ -1,4 +1,4 @@
-"""`model.fp8`: float8 GEMMs for the transformer blocks' linear layers, with torchao.
+"""`model.fp8`: float8 GEMMs for the transformer blocks' linear layers.
 
 Which layers (`fp8_linear_names`): the plain `nn.Linear` layers inside the family's declared
 transformer blocks (`ModelAdapter.block_class_names`: they hold nearly all of the GEMM FLOPs), that
@@ -13,14 +13,19 @@ is the attention projections and the MLPs, each a GEMM over every token. Not con
   features are not multiples of 16 (`torch._scaled_mm` requires it);
 - norms and the attention computation itself are not linear layers: they stay as they are.
 
-How (`convert`): each selected layer becomes torchao's float8 training linear with its rowwise
-recipe (`Float8LinearConfig.from_recipe_name("rowwise")`: every row of the input and of the weight
-scaled into e4m3 on each call, `torch._scaled_mm`; backward casts the output gradient the same
-way), swapped in by torchao's own `swap_linear_layers` with a module filter, as
-`convert_to_float8_training` does. The class is `diffrl.train.fp8_linear.SwitchableFloat8Linear`,
-torchao's `Float8Linear` with an on/off attribute, because colocated sampling and training share
-one module and `sampling` switches float8 on for the sampler's passes only (`for_sampling`); off, a
-layer runs `nn.Linear`'s own forward, so the trainer's passes are those of an unconverted model.
+How (`convert`): a layer whose weight is frozen (a LoRA run's base, a full fine-tuning run's
+reference copy) becomes `diffrl.train.fp8_frozen.FrozenFloat8Linear`: its weight is cast to e4m3
+once (again only where it changes: `refresh_cast_weights`), each call casts only its input, and
+the backward computes only the gradient to the input, with `torch._scaled_mm` directly. A trained
+weight (full fine-tuning) becomes torchao's float8 training linear instead
+(`Float8LinearConfig.from_recipe_name(model.fp8_scaling)`, `diffrl.train.fp8_linear`), which
+casts the weight on each call and computes the weight gradient in float8 too; so does a frozen
+one under FSDP2 (`cast_once=False`), whose cast copies would otherwise be whole on every rank.
+Scales (`model.fp8_scaling`): `rowwise`, one per row of the input and of the weight (per column
+for the backward's weight), or `tensorwise`, one per tensor. Both classes carry an on/off
+attribute, `fp8`, because colocated sampling and training share one module and `sampling`
+switches float8 on for the sampler's passes only (`for_sampling`); off, a layer runs
+`nn.Linear`'s own forward, so the trainer's passes are those of an unconverted model.
 
 - `sampling`: the sampler's passes (rollouts and validation) in float8; the update, the reference
   pass and recomputed log-probs in the model's dtype. The rollout's log-probs then differ from the
@@ -28,19 +33,17 @@ layer runs `nn.Linear`'s own forward, so the trainer's passes are those of an un
   `rollout_correction/*` logs the gap.
 - `all`: every pass in float8: the sampler, the reference, the recomputed log-probs, the update's
   forward and its backward (gradients to the inputs, so the LoRA adapters' gradients flow through
-  float8 GEMMs of the frozen base). With full fine-tuning (`model.lora.rank=0`) the converted
-  layers are the trained weights themselves: torchao's recipe computes their weight gradients in
-  float8 too (it is a training recipe), and the frozen reference copy is converted alike.
+  float8 GEMMs of the frozen base). With full fine-tuning (`model.lora.rank=0`) the trained
+  layers' weight gradients are float8 GEMMs too (torchao's training recipe).
 
-torchao's backward always computes the weight-gradient GEMM; for a frozen base weight its result
-is unused, which compiled blocks (`model.compile`) drop as dead code and eager mode pays. Use
-float8 with `model.compile=true`: uncompiled, the per-call casts are separate kernels as well.
+Use float8 with `model.compile=true`: uncompiled, the per-call casts are separate kernels.
 
 Where: `TrainEngine` converts its module after the LoRA injection and before sharding and
 compilation; a separate rollout replica converts its own copy the same way
 (`diffrl.workers.rollout_worker`). The weights stay parameters in the model's dtype with the
-names of `nn.Linear` (the cast to float8 happens in each forward), so weight sync, checkpoints,
-export, LoRA merges and FSDP2 sharding see the model they would without float8.
+names of `nn.Linear` (the float8 copies are buffers that are not saved), so weight sync,
+checkpoints, export, LoRA merges and FSDP2 sharding see the model they would without float8;
+what replaces a frozen weight (a LoRA merge, a replica's weight sync) refreshes its cast.
 
 torchao is imported only when `model.fp8` is on (`diffrl.config.plan.FP8_TORCHAO` names the release;
 `pip install 'diffrl[fp8]'`).
@@ -49,7 +52,7 @@ torchao is imported only when `model.fp8` is on (`diffrl.config.plan.FP8_TORCHAO
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import torch
@@ -125,16 +128,20 @@ def require_torchao(mode: str) -> None:
         raise ValueError(problem)
 
 
-def convert(transformer: torch.nn.Module, block_class_names: tuple[str, ...], mode: str) -> list[str]:
-    """Swap the `fp8_linear_names` layers of `transformer` for switchable float8 linears, in place;
-    float8 is on from now for `all` and off (until `fp8_gemms` or `for_sampling` turns it on) for
-    `sampling`. Returns the converted names. No device check: `prepare` is the run's entry point."""
+def convert(
+    transformer: torch.nn.Module,
+    block_class_names: tuple[str, ...],
+    mode: str,
+    scaling: str = "rowwise",
+    cast_once: bool = True,
+) -> list[str]:
+    """Swap the `fp8_linear_names` layers of `transformer` for switchable float8 linears, in place
+    (frozen weights cast once where `cast_once`, the module docstring says which class); float8 is
+    on from now for `all` and off (until `fp8_gemms` or `for_sampling` turns it on) for `sampling`.
+    Returns the converted names. No device check: `prepare` is the run's entry point."""
     if mode not in (SAMPLING, ALL):
         raise ValueError(f"model.fp8={mode!r}: convert only for {SAMPLING!r} or {ALL!r}")
-    require_torchao(mode)
-    from torchao.float8.float8_linear_utils import swap_linear_layers
-
-    from diffrl.train.fp8_linear import apply_inductor_workaround, recipe_config, to_float8
+    from diffrl.train.fp8_frozen import FrozenFloat8Linear
 
     selected = fp8_linear_names(transformer, block_class_names)
     if not selected:
@@ -143,32 +150,67 @@ def convert(transformer: torch.nn.Module, block_class_names: tuple[str, ...], mo
             f"its blocks ({', '.join(block_class_names)}; in and out features must be multiples of {_ALIGN}): "
             "set model.fp8=none"
         )
-    apply_inductor_workaround()
-    config = recipe_config()
-    wanted = set(selected)
-    swap_linear_layers(
-        transformer,
-        lambda linear: to_float8(linear, config, enabled=mode == ALL),
-        module_filter_fn=lambda module, name: type(module) is torch.nn.Linear and name in wanted,
-    )
+    enabled = mode == ALL
+    torchao_config = None
+    for name in selected:
+        linear = transformer.get_submodule(name)
+        if cast_once and not linear.weight.requires_grad:
+            swapped = FrozenFloat8Linear.from_linear(linear, scaling, enabled=enabled)
+        else:
+            if torchao_config is None:
+                require_torchao(mode)
+                from torchao.float8 import Float8LinearConfig
+
+                from diffrl.train.fp8_linear import apply_inductor_workaround
+
+                apply_inductor_workaround()
+                torchao_config = Float8LinearConfig.from_recipe_name(scaling)
+            from diffrl.train.fp8_linear import to_float8
+
+            swapped = to_float8(linear, torchao_config, enabled=enabled)
+        transformer.set_submodule(name, swapped)
     return selected
 
 
-def prepare(adapter: ModelAdapter, mode: str, *, reference: torch.nn.Module | None = None) -> list[str]:
+def prepare(
+    adapter: ModelAdapter,
+    mode: str,
+    *,
+    scaling: str = "rowwise",
+    cast_once: bool = True,
+    reference: torch.nn.Module | None = None,
+) -> list[str]:
     """`model.fp8` for a model adapter's transformer (and a full fine-tuning run's frozen reference
-    copy): check the device and torchao, convert. Nothing for `none`. Returns the converted names."""
+    copy): check the device, convert. Nothing for `none`. Returns the converted names."""
     if mode == NONE:
         return []
     check_device(mode, adapter.device)
-    names = convert(adapter.transformer, adapter.block_class_names, mode)
+    names = convert(adapter.transformer, adapter.block_class_names, mode, scaling, cast_once)
     if reference is not None:
-        convert(reference, adapter.block_class_names, mode)
+        convert(reference, adapter.block_class_names, mode, scaling, cast_once)
     return names
+
+
+def refresh_cast_weights(module: torch.nn.Module, changed: Iterable[str]) -> int:
+    """Re-cast the float8 copies of `module`'s cast-once layers whose weight is among `changed`
+    (state-dict names, e.g. a weight sync's): their 16-bit weight was replaced in place. Returns
+    how many were re-cast."""
+    from diffrl.train.fp8_frozen import FrozenFloat8Linear
+
+    changed = set(changed)
+    count = 0
+    for name, layer in module.named_modules():
+        if isinstance(layer, FrozenFloat8Linear) and f"{name}.weight" in changed:
+            layer.refresh()
+            count += 1
+    return count
 
 
 def float8_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The converted layers of `module` (none when `model.fp8=none`, without importing torchao)."""
-    return [m for m in module.modules() if type(m).__name__ == "SwitchableFloat8Linear"]
+    return [
+        m for m in module.modules() if type(m).__name__ in ("FrozenFloat8Linear", "SwitchableFloat8Linear")
+    ]
 
 
 @contextmanager
@@ -217,5 +259,6 @@ __all__ = [
     "fp8_gemms",
     "fp8_linear_names",
     "prepare",
+    "refresh_cast_weights",
     "require_torchao",
 ]

@@ -14,6 +14,7 @@ from peft.tuners.lora import LoraLayer
 from diffrl.config.schema import LoraConfig
 from diffrl.models.base import ModelAdapter
 from diffrl.seeding import LORA_INIT_STREAM, derive_seed
+from diffrl.train.fp8_frozen import FrozenFloat8Linear
 
 
 def target_modules(lora: LoraConfig, family: type[ModelAdapter]) -> list[str]:
@@ -96,6 +97,7 @@ def merged_lora(transformer: torch.nn.Module, name: str) -> Iterator[None]:
     was_disabled = [layer.disable_adapters for layer in layers]
     for base, _, merged in swapped:
         base.weight = merged
+        _recast(base)
     for layer in layers:
         layer.enable_adapters(False)
     try:
@@ -103,6 +105,7 @@ def merged_lora(transformer: torch.nn.Module, name: str) -> Iterator[None]:
     finally:
         for base, original, _ in swapped:
             base.weight = original
+            _recast(base)
         for layer, disabled in zip(layers, was_disabled, strict=True):
             layer.enable_adapters(not disabled)
         for p, flag in zip(adapter_params, requires_grad, strict=True):
@@ -121,6 +124,12 @@ def merged_adapter(adapter: ModelAdapter, name: str) -> Iterator[None]:
             yield
     finally:
         adapter.lora_autocast = autocast
+
+
+def _recast(base: torch.nn.Module) -> None:
+    """A cast-once float8 base layer (`model.fp8`) whose weight was just replaced casts it again."""
+    if isinstance(base, FrozenFloat8Linear):
+        base.refresh()
 
 
 @contextmanager

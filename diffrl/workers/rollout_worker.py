@@ -103,7 +103,8 @@ class RolloutWorker(ProfiledWorker):
             adapter.transformer.requires_grad_(False)
             if computes_as_trained(cfg):
                 as_trained_replica(adapter, cfg.actor.micro_batch_size)
-            fp8.prepare(adapter, cfg.model.fp8)  # the trainer's conversion (TrainEngine), before compile
+            # the trainer's conversion (TrainEngine), before compile
+            fp8.prepare(adapter, cfg.model.fp8, scaling=cfg.model.fp8_scaling)
             if cfg.model.compile:
                 adapter.compile_blocks()
         self.adapter = adapter
@@ -290,6 +291,7 @@ class RolloutWorker(ProfiledWorker):
         params = self.adapter.transformer.state_dict(keep_vars=True)
         stats = self._weight_sync.receive(specs, params, bucket_bytes=bucket_bytes)
         check_synced_set(specs, self.adapter.transformer, f"weight sync of version {version}")
+        fp8.refresh_cast_weights(self.adapter.transformer, (spec.name for spec in specs))
         self.weight_version = version
         return stats.metrics()
 

@@ -43,17 +43,26 @@ def test_a_run_without_gpus_is_refused_with_the_fix(mode):
         plan_of([f"model.fp8={mode}"], Machine())
 
 
-def test_missing_torchao_is_refused_naming_the_install(monkeypatch):
+def test_missing_torchao_is_refused_where_torchao_runs_naming_the_install(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a)
     )
+    # full fine-tuning trains the converted weights: torchao's float8 training linear
     with pytest.raises(
         ConfigError, match=rf"pip install torchao=={FP8_TORCHAO} \(or pip install 'diffrl\[fp8\]'\)"
     ):
-        plan_of(["model.fp8=all"])
+        plan_of(["model.fp8=all", "model.lora.rank=0"])
+    # a LoRA run's frozen base casts once with torch's own float8 GEMM: no torchao
+    assert plan_of(["model.fp8=all"]).fp8 == "all"
+
+
+def test_the_scaling_is_checked():
+    assert load_config("tiny_sd3").model.fp8_scaling == "rowwise"
+    with pytest.raises(ConfigError, match=r"model\.fp8_scaling='blockwise' is invalid"):
+        load_config("tiny_sd3", ["model.fp8_scaling=blockwise"])
 
 
 def test_sampling_recomputes_the_old_log_probs(torchao_present):

@@ -16,6 +16,7 @@ from torch import nn
 
 from diffrl.config.plan import FP8_TORCHAO
 from diffrl.train import fp8
+from diffrl.train.fp8_frozen import FrozenFloat8Linear
 
 
 class Modulation(nn.Module):  # an adaptive norm: its linear takes one vector per sample
@@ -129,7 +130,7 @@ def test_none_converts_nothing_and_needs_no_torchao():
     assert fp8.prepare(CpuAdapter(), "none") == []  # no device check, no import
 
 
-# ---------------------------------------------------------------------------------- with torchao
+# ------------------------------------------------------------------- LoRA (cast once), and torchao
 def _torchao():
     return pytest.importorskip("torchao", reason="pip install 'diffrl[fp8]' for the float8 tests")
 
@@ -155,7 +156,6 @@ def _forward(net, x):
 
 
 def test_conversion_keeps_names_params_and_lora_and_switches_per_pass():
-    _torchao()
     net = _lora_net()
     reference = copy.deepcopy(net)
     before = {n: (p.shape, p.dtype, p.requires_grad) for n, p in net.named_parameters()}
@@ -165,7 +165,7 @@ def test_conversion_keeps_names_params_and_lora_and_switches_per_pass():
     for layer in net.modules():  # peft's adapters stay plain bf16 linears
         if hasattr(layer, "lora_A"):
             assert type(layer.lora_A["default"]) is nn.Linear and type(layer.lora_B["default"]) is nn.Linear
-            assert type(layer.base_layer).__name__ == "SwitchableFloat8Linear"
+            assert type(layer.base_layer) is FrozenFloat8Linear  # a frozen base: cast once
 
     x = torch.randn(2, 40, 64, dtype=torch.bfloat16)
     expected = _forward(reference, x)
@@ -193,7 +193,6 @@ def _recording(seen, name=None):
 
 
 def test_all_trains_lora_through_float8_base_gemms():
-    _torchao()
     net, plain = _lora_net(), _lora_net()
     fp8.convert(net, ("Block",), "all")
     x = torch.randn(2, 40, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -207,6 +206,63 @@ def test_all_trains_lora_through_float8_base_gemms():
         assert torch.isfinite(grad).all()
         rel = (grad - plain_grads[name]).float().norm() / plain_grads[name].float().norm()
         assert rel < 0.25, name  # float8 in forward and backward: a few percent per GEMM
+
+
+def test_a_merged_adapter_runs_its_merged_weight_in_float8_then_the_base_again():
+    """model.lora.merge_inference swaps each base weight for W + ΔW: a cast-once layer casts the
+    merged weight, and the base's again after, bit for bit its cast before the merge."""
+    from diffrl.train.lora import merged_lora
+
+    net = _lora_net()
+    fp8.convert(net, ("Block",), "all")
+    x = torch.randn(2, 40, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = _forward(net, x)
+        with merged_lora(net, "default"):
+            merged = _forward(net, x)
+            # an independent conversion of the merged weights, each layer cast from scratch
+            fresh = copy.deepcopy(net)
+            for layer in fresh.modules():
+                if isinstance(layer, FrozenFloat8Linear):
+                    layer.w_q = layer.w_scale = layer.wt_q = layer.wt_scale = None
+                    layer.refresh()
+            expected = _forward(fresh, x)
+        after = _forward(net, x)
+    assert torch.equal(merged, expected)
+    assert torch.equal(after, before)
+    # merged, the base GEMM carries the adapter: the output is the unmerged net's up to float8
+    assert (merged - before).float().norm() / before.float().norm() < 0.1
+
+
+def test_a_synced_weight_is_cast_again_and_only_it():
+    net = _lora_net()
+    fp8.convert(net, ("Block",), "sampling")
+    layer = net.blocks[0].ff[0]
+    other = net.blocks[1].ff[0]
+    kept = other.w_q.clone()
+    with torch.no_grad():
+        layer.weight.mul_(-1)  # a weight sync writes the tensors in place
+        other.weight.mul_(-1)
+    assert (
+        fp8.refresh_cast_weights(net, ["blocks.0.ff.0.weight", "blocks.0.attn.to_q.lora_A.default.weight"])
+        == 1
+    )
+    assert torch.equal(layer.w_q, FrozenFloat8Linear.from_linear(layer).w_q)  # the new weight's cast
+    assert torch.equal(other.w_q, kept)  # not named: not recast
+
+
+def test_under_fsdp2_a_frozen_base_casts_per_call():
+    _torchao()
+    net = _lora_net()
+    fp8.convert(net, ("Block",), "all", cast_once=False)
+    assert {type(m).__name__ for m in fp8.float8_layers(net)} == {"SwitchableFloat8Linear"}
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensorwise"])
+def test_the_scaling_setting_reaches_the_layers(scaling):
+    net = _lora_net()
+    fp8.convert(net, ("Block",), "all", scaling)
+    assert {m.recipe for m in fp8.float8_layers(net)} == {scaling}
 
 
 def _rowwise_e4m3(t: torch.Tensor) -> torch.Tensor:
@@ -291,7 +347,6 @@ def _step(engine, rollout, **targets):
 
 
 def test_the_engine_converts_after_lora_and_trains_in_float8(tiny_model, monkeypatch):
-    _torchao()
     engine, sampler = _engine(tiny_model, monkeypatch, "all")
     layers = fp8.float8_layers(engine.transformer)
     assert len(layers) == 25 and all(layer.fp8 for layer in layers)
@@ -304,7 +359,6 @@ def test_the_engine_converts_after_lora_and_trains_in_float8(tiny_model, monkeyp
 
 
 def test_sampling_mode_trains_as_without_float8(tiny_model, monkeypatch):
-    _torchao()
     engine, sampler = _engine(tiny_model, monkeypatch, "sampling")
     plain, _ = _engine(tiny_model, monkeypatch, "none")
     rollout = sampler.sample(PROMPTS, seed=1, step=0)  # the sampler's switch is off here: 16-bit
@@ -322,6 +376,9 @@ def test_full_fine_tuning_in_float8_converts_its_reference_too(tiny_model, monke
 
     engine, sampler = _engine(tiny_model, monkeypatch, "all", rank=0, kl_coef=0.1)
     assert len(fp8.float8_layers(engine.transformer)) == len(fp8.float8_layers(engine.reference)) == 25
+    # the trained weights recast on every call (torchao's training linear), the frozen copy once
+    assert {type(m).__name__ for m in fp8.float8_layers(engine.transformer)} == {"SwitchableFloat8Linear"}
+    assert all(type(m) is FrozenFloat8Linear for m in fp8.float8_layers(engine.reference))
     rollout = sampler.sample(PROMPTS, seed=0, step=0)
     _, ref_means = engine.log_probs(rollout, REFERENCE)
     _step(engine, rollout, ref_means=ref_means)
@@ -332,7 +389,6 @@ def test_full_fine_tuning_in_float8_converts_its_reference_too(tiny_model, monke
 
 
 def test_a_colocated_sampler_samples_in_float8_and_the_trainer_does_not(tiny_model, monkeypatch):
-    _torchao()
     from diffrl.config import load_config
     from diffrl.workers.rollout_worker import RolloutWorker
 

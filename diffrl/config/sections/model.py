@@ -45,14 +45,17 @@ class ModelConfig:
     # (FLUX's flash attention, whose backward cuDNN fails), torch's default (`native`) elsewhere
     attn_backend: str = "auto"
     compile: bool = False  # torch.compile each transformer block (regional): faster after a warmup
-    # float8 GEMMs (torchao, rowwise scaling) for the transformer blocks' linear layers (not the
-    # LoRA adapters, norms' modulation or attention itself): `none`; `sampling`, the sampler's
-    # passes only; `all`, also the reference pass and the update's forward and backward. GPUs of
-    # compute capability 8.9+ (diffrl.train.fp8)
+    # float8 GEMMs for the transformer blocks' linear layers (not the LoRA adapters, norms'
+    # modulation or attention itself): `none`; `sampling`, the sampler's passes only; `all`, also
+    # the reference pass and the update's forward and backward. GPUs of compute capability 8.9+
+    # (diffrl.train.fp8)
     fp8: str = "none"
+    # float8 scales: one per row of each operand (`rowwise`) or one per tensor (`tensorwise`)
+    fp8_scaling: str = "rowwise"
 
     DTYPES = ("float32", "bfloat16", "float16")
     FP8_MODES = ("none", "sampling", "all")
+    FP8_SCALINGS = ("rowwise", "tensorwise")
 
     def validate(self, at: str) -> None:
         require_choice(f"{at}.dtype", self.dtype, self.DTYPES)
@@ -69,6 +72,7 @@ class ModelConfig:
             self.fp8,
             f"must be one of 'none', 'sampling', 'all'{boolean}",
         )
+        require_choice(f"{at}.fp8_scaling", self.fp8_scaling, self.FP8_SCALINGS)
         if self.attn_backend not in ("auto", "native"):
             # diffusers' list of backends costs seconds of imports; auto and its default need no check
             from diffusers.models.attention_dispatch import AttentionBackendName
