@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # model.fp8 on one GPU, against bf16 in the same call: Flow-GRPO's recipe (benchmarks/e2e_recipe.py,
 # a random SD3.5-Medium, 3 steps: 1 warm-up + 2 measured, the same seeds) in bf16, with
-# model.fp8=all and with model.fp8=sampling, then the recipe's GEMM shapes one by one
-# (benchmarks/fp8_gemms.py). Needs torchao (pip install 'diffrl[fp8]').
+# model.fp8=all (rowwise and tensorwise scales) and with model.fp8=sampling, then the recipe's GEMM
+# shapes one by one (benchmarks/fp8_gemms.py, its arguments from FP8_GEMMS_ARGS). The GEMM
+# comparison with torchao's linear needs torchao (pip install 'diffrl[fp8]').
 #
 #   benchmarks/fp8_compare.sh OUT_DIR [BUDGET_S]
 #
@@ -29,11 +30,16 @@ run() { # name timeout_s args...
   for f in /tmp/e2e_$name/*/metrics.jsonl /tmp/e2e_$name/*/plan.json; do [[ -f $f ]] && cp $f $out/${name}_$(basename $f); done
 }
 left() { echo $(( budget - SECONDS )); }
-run bf16 200
-TORCH_LOGS=recompiles,graph_breaks run fp8_all $(( $(left) < 220 ? $(left) : 220 )) --set model.fp8=all
-TORCH_LOGS=recompiles,graph_breaks run fp8_sampling $(( $(left) < 200 ? $(left) : 200 )) --set model.fp8=sampling
+cap() { echo $(( $(left) < $1 ? $(left) : $1 )); }
+# FP8_RUNS picks the runs (all four by default), e.g. FP8_RUNS="bf16 fp8_all fp8_all_tensorwise"
+runs=" ${FP8_RUNS:-bf16 fp8_all fp8_all_tensorwise fp8_sampling} "
+[[ $runs == *" bf16 "* ]] && run bf16 200
+[[ $runs == *" fp8_all "* ]] && TORCH_LOGS=recompiles,graph_breaks run fp8_all $(cap 200) --set model.fp8=all
+[[ $runs == *" fp8_all_tensorwise "* ]] && TORCH_LOGS=recompiles,graph_breaks run fp8_all_tensorwise $(cap 200) \
+  --set model.fp8=all model.fp8_scaling=tensorwise
+[[ $runs == *" fp8_sampling "* ]] && TORCH_LOGS=recompiles,graph_breaks run fp8_sampling $(cap 200) --set model.fp8=sampling
 if (( $(left) > 45 )); then
-  timeout $(left) python benchmarks/fp8_gemms.py > $out/gemms.json 2> $out/gemms.err; echo "gemms rc=$? at ${SECONDS}s"
+  timeout $(left) python benchmarks/fp8_gemms.py ${FP8_GEMMS_ARGS:-} > $out/gemms.json 2> $out/gemms.err; echo "gemms rc=$? at ${SECONDS}s"
 fi
 python - <<'EOF'
 import json, os
@@ -44,7 +50,9 @@ def last(name):
     except Exception as e:
         return {"error": repr(e)[:200]}
 r3 = lambda xs: [None if x is None else float(f"{x:.4g}") for x in xs] if isinstance(xs, list) else xs
-for name in ("bf16", "fp8_all", "fp8_sampling"):
+for name in ("bf16", "fp8_all", "fp8_all_tensorwise", "fp8_sampling"):
+    if not os.path.exists(f"{out}/{name}.json"):
+        continue
     d = last(name)
     if "flow_grpo" not in d:
         print(name, d); continue
