@@ -32,9 +32,10 @@ like the SD3 pipeline. A `FlowMatchEulerDiscreteScheduler` config is used as is.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +169,21 @@ def flow_match_schedule(
             + size
         )
     return Schedule(sigmas=sigmas, timesteps=timesteps)
+
+
+def fixed_schedule(sigmas: Sequence[float], num_train_timesteps: int = 1000) -> Schedule:
+    """The schedule of N given sigmas σ_0 > ... > σ_{N−1} > 0, used as they are (no shift: these
+    are the sigmas sampled at, e.g. a distilled few-step student's own), with σ_N = 0 appended and
+    timesteps num_train_timesteps·σ_k (`rollout.pipeline.sigmas`)."""
+    values = [float(s) for s in sigmas]
+    if (
+        not values
+        or not all(0.0 < s <= 1.0 for s in values)
+        or any(b >= a for a, b in itertools.pairwise(values))
+    ):
+        raise ValueError(f"sigmas must be decreasing values in (0, 1], at least one; got {values}")
+    table = torch.tensor([*values, 0.0], dtype=torch.float32)
+    return Schedule(sigmas=table, timesteps=table[:-1] * num_train_timesteps)
 
 
 def euler_config(scheduler_config: Mapping[str, Any], pipeline_convention: str) -> dict[str, Any]:

@@ -194,6 +194,9 @@ class DMD2Settings:
     dmd_fake_lr: float | None = None  # the fake score's learning rate; null = actor.optim.lr
     dmd_sigma_min: float = 0.02  # range of the re-noising level t (DM gradient and fake-score loss)
     dmd_sigma_max: float = 0.98
+    # a resume may change settings that alter training (else it stops naming them: a resumed run
+    # that continues the saved one exactly needs the saved settings)
+    dmd_resume_changes: bool = False
 
     def validate(self, at: str) -> None:
         require_at_least(f"{at}.dmd_teacher_guidance", self.dmd_teacher_guidance, 1.0)

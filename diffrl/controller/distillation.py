@@ -15,8 +15,10 @@ samples in many steps; no reward is involved in training. One step reads top to 
                  with rollout.pipeline.guidance_scale (1: the student samples without CFG), scored
                  by the configured rewards (for the shapes world, the verifier's held-out accuracy)
     checkpoint   every `save_freq` steps and at the end: both adapters, the student's optimizer, the
-                 data position. The fake score's optimizer state is not yet saved, so a resumed run
-                 restarts its AdamW moments.
+                 data position, the RNG states, and (RUN/checkpoints/fake_score/step_N) the fake
+                 score's AdamW and update count (diffrl.workers.distillation_worker), so a resumed
+                 run logs the metrics the uninterrupted one would; a resume that changes a training
+                 setting stops, naming it (`check_resume_changes`).
 
 Single process for now: one colocated worker (trainer.n_gpus_per_node=1, trainer.nnodes=1).
 At the end RUN/export holds the student as a LoRA with its sampling settings, as `diffrl train`'s.
@@ -35,7 +37,7 @@ from omegaconf import OmegaConf
 from diffrl.algos import DISTILLATION, DistillationSpec, algorithm
 from diffrl.config import load_config
 from diffrl.config.plan import RunPlan
-from diffrl.config.schema import Config
+from diffrl.config.schema import Config, ConfigError
 from diffrl.controller.loop import TrainingLoop
 from diffrl.controller.preflight import preflight, run_plan
 from diffrl.controller.run import Job, print_report, run_folder, run_loop
@@ -122,6 +124,46 @@ def check_distillation(cfg: Config) -> None:
         )
 
 
+#: Keys whose change alters what a resumed distillation trains (model, student, fake score, data,
+#: seed); anything else (validation, logging, checkpoint cadence, total_steps) may change on resume.
+TRAINING_KEYS = ("model.", "actor.", "algorithm.", "rollout.", "data.", "trainer.seed")
+#: Within those, what only validation reads, and the switch that lets a resume change the rest.
+NOT_TRAINING_KEYS = ("rollout.val.", "data.val_", "actor.loss.dmd_resume_changes")
+
+
+def training_changes(cfg: Config, run_dir: Path) -> list[tuple[str, Any, Any]]:
+    """(key, saved, now) of each key of `TRAINING_KEYS` that this config changes from the run's
+    RUN/config.yaml (`diffrl.config.history.changed_keys`); none for a run without one."""
+    from diffrl.config import to_yaml
+    from diffrl.config.history import CONFIG_FILE, changed_keys
+
+    saved = run_dir / CONFIG_FILE
+    if not saved.is_file():
+        return []
+    return [
+        change
+        for change in changed_keys(saved.read_text(encoding="utf-8"), to_yaml(cfg))
+        if change[0].startswith(TRAINING_KEYS) and not change[0].startswith(NOT_TRAINING_KEYS)
+    ]
+
+
+def check_resume_changes(cfg: Config, run_dir: Path, checkpoint: Path | None) -> None:
+    """A resume continues the saved run exactly only under its own training settings: one that
+    changes any stops here, naming them, unless actor.loss.dmd_resume_changes=true (then the
+    changes are printed as a warning when the run starts, as every resume's are)."""
+    if checkpoint is None or cfg.actor.loss.dmd_resume_changes:
+        return
+    changes = training_changes(cfg, run_dir)
+    if changes:
+        shown = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+        raise ConfigError(
+            f"resuming {checkpoint} would change {len(changes)} training setting(s) of the run: {shown}. "
+            "The resumed steps would not continue the saved run: resume with the run's own settings "
+            f"({run_dir / 'config.yaml'}), start a new run (another trainer.run_name), or pass "
+            "actor.loss.dmd_resume_changes=true to continue with the changes"
+        )
+
+
 @contextmanager
 def distillation_session(cfg: Config, plan: RunPlan) -> Iterator[tuple[WorkerGroup, Any]]:
     """One in-process `DistillationWorker` and the reward workers (for validation); stops both."""
@@ -158,6 +200,7 @@ def distill(source: str | None, overrides: Sequence[str] = ()) -> Path:
     train_records, val_records = preflight(cfg)
     plan = run_plan(cfg)
     with run_folder(cfg, source) as folder:
+        check_resume_changes(cfg, folder.path, folder.checkpoint)
         print("\n".join(plan.lines()), flush=True)
         with ExitStack() as stack:
             workers, rewards = stack.enter_context(distillation_session(cfg, plan))
@@ -189,4 +232,13 @@ def distill(source: str | None, overrides: Sequence[str] = ()) -> Path:
     return folder.path
 
 
-__all__ = ["DistillationTrainer", "check_distillation", "distill", "distillation_session"]
+__all__ = [
+    "NOT_TRAINING_KEYS",
+    "TRAINING_KEYS",
+    "DistillationTrainer",
+    "check_distillation",
+    "check_resume_changes",
+    "distill",
+    "distillation_session",
+    "training_changes",
+]

@@ -13,6 +13,7 @@ trained (or validated) with, so `diffrl sample` needs no flags to draw what the 
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +35,16 @@ GENERIC: dict[str, Any] = {
     "num_frames": 1,
     "negative_prompt": "",
 }
-#: Optional extra key: the grammar every prompt must follow ("shapes": the shapes world's).
+#: Optional extra keys: the grammar every prompt must follow ("shapes": the shapes world's), and
+#: `sigmas`, the sampler's own schedule σ_0 > ... > σ_{N-1} for N = steps (a few-step student's:
+#: `rollout.pipeline.sigmas`), used only when the steps are N.
 PROMPT_GRAMMARS = ("shapes",)
 #: The prompt of the `diffrl sample` commands diffrl prints, per grammar (None: no grammar).
 EXAMPLE_PROMPTS: dict[str | None, str] = {
     "shapes": "a red circle and a blue square",
     None: "a photo of a cat",
 }
-KEYS = (*GENERIC, "prompt_grammar")
+KEYS = (*GENERIC, "prompt_grammar", "sigmas")
 
 
 def _read_json(file: Path) -> dict | None:
@@ -121,6 +124,14 @@ def read_sampling_file(folder: Path) -> dict[str, Any] | None:
     grammar = data.get("prompt_grammar")
     if grammar is not None and grammar not in PROMPT_GRAMMARS:
         raise ValueError(f"{file}: prompt_grammar={grammar!r} is not one of {PROMPT_GRAMMARS}")
+    sigmas = data.get("sigmas")
+    if sigmas is not None and (
+        not isinstance(sigmas, list)
+        or not sigmas
+        or not all(isinstance(s, (int, float)) and 0 < s <= 1 for s in sigmas)
+        or any(b >= a for a, b in itertools.pairwise(sigmas))
+    ):
+        raise ValueError(f"{file}: sigmas={sigmas!r} must be a list of decreasing numbers in (0, 1]")
     return data
 
 
@@ -148,6 +159,8 @@ def settings_of_run(rollout: Any, prompt_grammar: str | None = None) -> dict[str
     }
     if prompt_grammar is not None:
         settings["prompt_grammar"] = prompt_grammar
+    if pipe.sigmas is not None and len(pipe.sigmas) == settings["steps"]:
+        settings["sigmas"] = [float(s) for s in pipe.sigmas]
     return settings
 
 
@@ -177,4 +190,7 @@ def resolve_sampling(
                 settings[key], sources[key] = layer[key], where
                 break
     settings.setdefault("prompt_grammar", None)
+    if settings.get("sigmas") is not None and len(settings["sigmas"]) != settings["steps"]:
+        del settings["sigmas"], sources["sigmas"]  # a schedule for other steps (--steps given)
+    settings.setdefault("sigmas", None)
     return settings, sources

@@ -126,6 +126,8 @@ def describe_settings(settings: dict[str, Any], sources: dict[str, str]) -> str:
     )
     if settings["num_frames"] > 1:
         text += f", {settings['num_frames']} frames"
+    if settings.get("sigmas") is not None:  # diffusers: pipe(..., sigmas=[...]) where its shift is 1
+        text += f", sigmas {', '.join(f'{s:g}' for s in settings['sigmas'])}"
     files = sorted({where for where in sources.values() if where not in ("command line", "defaults")})
     return text + (f" (from {', '.join(files)})" if files else "")
 
@@ -284,6 +286,7 @@ def generate(
             max_sequence_length=settings["max_sequence_length"],
             num_frames=settings["num_frames"],
             negative_prompt=settings["negative_prompt"],
+            sigmas=settings["sigmas"],
         ),
         val=ValidationConfig(n=n, seed=seed, num_inference_steps=settings["steps"], noise_level=noise_level),
     )

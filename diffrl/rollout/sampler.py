@@ -30,6 +30,7 @@ from diffrl.config.schema import RolloutConfig
 from diffrl.data.images import ConditionImage
 from diffrl.models.base import ModelAdapter, PromptEmbeds
 from diffrl.rollout.window import window_start
+from diffrl.schedules import fixed_schedule
 from diffrl.seeding import GROUP_NOISE_STREAM, NOISE_STREAM, generator
 from diffrl.transition import Rollout, RolloutSettings, Trajectories
 
@@ -236,7 +237,10 @@ class TrajectorySampler:
         micro = self.cfg.micro_batch_size
         with torch.no_grad():
             prompt_embeds = self.encode(prompts, negative_prompts, chunk=max(1, micro // n), images=images)
-        schedule = adapter.schedule(num_steps, **size)
+        if pipe.sigmas is not None and len(pipe.sigmas) == num_steps:  # its own (few-step) schedule
+            schedule = fixed_schedule(pipe.sigmas)
+        else:
+            schedule = adapter.schedule(num_steps, **size)
         sigmas = schedule.sigmas.to(adapter.device)
         timesteps = schedule.timesteps.to(adapter.device)
         k0, w = window

@@ -8,7 +8,8 @@ the base) with an AdamW of its own; the teacher is the base with every adapter o
 
     stage(prompts)         the step's B = prompts × rollout.n student samples by backward simulation:
                            per sample a step i, the student's own Euler steps (`diffrl.sde.step`,
-                           kind ode, on the family's schedule for rollout.pipeline.num_inference_steps)
+                           kind ode, on `student_schedule`: rollout.pipeline.sigmas, else the
+                           family's schedule for rollout.pipeline.num_inference_steps)
                            from its seeded noise to x_{σ_i}, and x̂₀ there; all without gradient
     fake_score_update(k)   the flow-matching loss of the fake adapter on the staged x̂₀ (detached),
                            fresh (t, ε) per sample and update k; one optimizer step of the fake score
@@ -33,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -48,6 +50,7 @@ from diffrl.algos.dmd2 import (
 from diffrl.algos.flow_matching import interpolate
 from diffrl.config.schema import Config
 from diffrl.models.base import PromptEmbeds
+from diffrl.schedules import Schedule, fixed_schedule
 from diffrl.sde import step as sde_step
 from diffrl.seeding import DISTILL_STREAM, generator
 from diffrl.train.engine import NUM_TRAIN_TIMESTEPS, POLICY, REFERENCE, GradientTerm, TrainEngine
@@ -78,6 +81,14 @@ class StudentBatch:
 
     def __len__(self) -> int:
         return self.latents.shape[0]
+
+
+def student_schedule(adapter, pipe) -> Schedule:
+    """The student's schedule: `rollout.pipeline.sigmas` when set (its own few-step sigmas, what
+    validation and the export's sampling file use too), else the family's for num_inference_steps."""
+    if pipe.sigmas is not None:
+        return fixed_schedule(pipe.sigmas)
+    return adapter.schedule(pipe.num_inference_steps, pipe.height, pipe.width, pipe.num_frames)
 
 
 class Distiller:
@@ -142,7 +153,7 @@ class Distiller:
         one row per sample (negatives included when the teacher uses CFG)."""
         adapter, pipe = self.engine.adapter, self.cfg.rollout.pipeline
         steps = pipe.num_inference_steps
-        sigmas = adapter.schedule(steps, pipe.height, pipe.width, pipe.num_frames).sigmas.float()
+        sigmas = student_schedule(adapter, pipe).sigmas.float()
         gens = [generator("cpu", DISTILL_STREAM, seed, step, 0, int(i)) for i in sample_index]
         index_B = student_step_indices(gens, steps)
         x = adapter.init_noise(gens, pipe.height, pipe.width, pipe.num_frames)
@@ -261,10 +272,45 @@ class Distiller:
         self.staged = None
         return {**metrics, **step_metrics}
 
+    # ------------------------------------------------------------------------------ checkpoints
+    def save(self, root: str | Path, step: int, keep_last: int | None) -> Path:
+        """The fake score's training state at `step` as a checkpoint of its own under `root`
+        (`save_checkpoint`: its AdamW, its scheduler and `fake_steps`, with the adapters' weights).
+        The student's checkpoint (`TrainEngine.save`) holds the rest; the worker saves this one
+        first (`DistillationCheckpointing`), so a published student checkpoint always has it."""
+        from diffrl.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            Path(root),
+            step,
+            model=self.engine.transformer,
+            optimizer=self.fake_optimizer,
+            scheduler=self.fake_scheduler,
+            trainable_only=True,
+            extra={"fake_steps": self.fake_steps},
+            keep_last=keep_last,
+        )
+
+    def load(self, path: str | Path) -> None:
+        """Restore what `save` wrote at `path` (the RNG states are the student checkpoint's)."""
+        from diffrl.train.checkpoint import load_checkpoint
+
+        # torch initialises a fresh optimizer's state (to fill) only for tensors that require grad
+        with self._fake_trains():
+            extra = load_checkpoint(
+                Path(path),
+                model=self.engine.transformer,
+                optimizer=self.fake_optimizer,
+                scheduler=self.fake_scheduler,
+                trainable_only=True,
+                restore_rng=False,
+            )
+        self.fake_steps = int(extra["fake_steps"])
+
     def _require_staged(self) -> StudentBatch:
         if self.staged is None:
             raise RuntimeError("no staged student samples: call stage() first in this step")
         return self.staged
 
 
-__all__ = ["FAKE_INIT_SEED_OFFSET", "Distiller", "StudentBatch", "conditional"]
+__all__ = ["FAKE_INIT_SEED_OFFSET", "Distiller", "StudentBatch", "conditional", "student_schedule"]

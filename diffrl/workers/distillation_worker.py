@@ -13,6 +13,8 @@ distillation step, which the controller (`diffrl.controller.distillation`) makes
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +24,47 @@ from diffrl.config.schema import Config
 from diffrl.models.base import ModelAdapter
 from diffrl.telemetry.profiling import profiled_call
 from diffrl.train.distillation import Distiller
+from diffrl.workers.checkpointing import Checkpointing
 from diffrl.workers.roles import HybridWorker, PromptShard
+
+#: Where the fake score's checkpoints live, under the run's checkpoint folder: step_N there pairs
+#: with the student's step_N (`DistillationCheckpointing`).
+FAKE_SCORE_CHECKPOINTS = "fake_score"
+
+
+class DistillationCheckpointing(Checkpointing):
+    """Checkpoints of both trained parts: the student's (`TrainEngine.save`: both adapters' weights,
+    the student's optimizer and scheduler, its counters, the RNG states, the controller's `extra`)
+    and, in ROOT/fake_score/step_N, the fake score's AdamW, scheduler and update count
+    (`Distiller.save`), so a resumed run continues both two time-scale updates exactly.
+
+    The fake score's is written first and kept one longer, so every published student checkpoint
+    has its partner, whatever a kill interrupts."""
+
+    def __init__(self, engine, cfg: Config, distiller: Distiller):
+        super().__init__(engine, cfg)
+        self.distiller = distiller
+
+    @profiled_call
+    def save(self, root: str, step: int, extra: dict, keep_last: int) -> str:
+        self.distiller.save(
+            Path(root) / FAKE_SCORE_CHECKPOINTS, step, None if keep_last is None else keep_last + 1
+        )
+        return super().save(root, step, extra, keep_last)
+
+    @profiled_call
+    def load(self, path: str) -> dict:
+        extra = super().load(path)
+        partner = Path(path).parent / FAKE_SCORE_CHECKPOINTS / Path(path).name
+        if partner.is_dir():
+            self.distiller.load(partner)
+        else:  # a checkpoint from before the fake score's were saved (or one copied alone)
+            warnings.warn(
+                f"{path} has no fake-score checkpoint ({partner}): the fake score's weights are restored "
+                "but its AdamW starts afresh, so this run does not continue the saved one exactly",
+                stacklevel=2,
+            )
+        return extra
 
 
 class DistillationWorker(HybridWorker):
@@ -38,6 +80,7 @@ class DistillationWorker(HybridWorker):
     ):
         super().__init__(cfg, adapter, plan=plan)
         self.distiller = Distiller(self.engine, cfg, total_student_steps=cfg.trainer.total_steps)
+        self.checkpoint = DistillationCheckpointing(self.engine, cfg, self.distiller)
 
     @profiled_call
     def distill_stage(self, shard: PromptShard, *, seed: int, step: int) -> dict[str, float]:
@@ -68,4 +111,4 @@ class DistillationWorker(HybridWorker):
         return {"student_steps": self.engine.optim_steps, "fake_score_steps": self.distiller.fake_steps}
 
 
-__all__ = ["DistillationWorker"]
+__all__ = ["FAKE_SCORE_CHECKPOINTS", "DistillationCheckpointing", "DistillationWorker"]

@@ -3,6 +3,7 @@ rollout pool of separate placement (replicas, weight sync)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from diffrl.config.checks import (
@@ -26,10 +27,23 @@ class PipelineConfig:
     max_sequence_length: int = 256  # text tokens
     num_frames: int = 1  # > 1 only for video families (Wan)
     negative_prompt: str = ""
+    # the sampler's own sigmas σ_0 > ... > σ_{N-1} (N = num_inference_steps), used as given (no
+    # shift), e.g. a few-step student's (docs/distillation.md); null = the family's schedule
+    sigmas: list[float] | None = None
 
     def validate(self, at: str) -> None:
         for name in ("height", "width", "num_inference_steps", "max_sequence_length", "num_frames"):
             require_at_least(f"{at}.{name}", getattr(self, name), 1)
+        if self.sigmas is not None:
+            values = list(self.sigmas)
+            require(
+                len(values) == self.num_inference_steps
+                and all(0.0 < s <= 1.0 for s in values)
+                and all(b < a for a, b in itertools.pairwise(values)),
+                f"{at}.sigmas",
+                values,
+                f"must be {self.num_inference_steps} (num_inference_steps) decreasing values in (0, 1]",
+            )
         require_at_least(f"{at}.guidance_scale", self.guidance_scale, 0.0)
         if self.true_cfg_scale is not None:
             require_at_least(f"{at}.true_cfg_scale", self.true_cfg_scale, 1.0)
