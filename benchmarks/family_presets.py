@@ -29,6 +29,8 @@ The first `--warmup` steps (compilation) are excluded, the rest averaged (`run_m
     python benchmarks/family_presets.py --family qwen_image --gpus 2      # 2 GPUs, each one GPU's share
     python benchmarks/family_presets.py --family flux_kontext            # FLUX.1 Kontext LoRA (edit)
     python benchmarks/family_presets.py --family qwen_image_edit         # Qwen-Image-Edit LoRA (edit)
+    python benchmarks/family_presets.py --family flux2_klein_4b          # FLUX.2 [klein] 4B LoRA
+    python benchmarks/family_presets.py --family flux2_dev --gpus 4      # FLUX.2 [dev] 32B, 4 GPUs
     python benchmarks/family_presets.py --family wan21_1_3b --layers 1 --device cpu \\
         --set rollout.pipeline.height=64 rollout.pipeline.width=64 ...    # CPU smoke run
 """
@@ -59,6 +61,12 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "wan22_a14b": ("wan22_a14b", ("wan22_t2v_a14b_lora",)),
     "flux_kontext": ("flux_kontext", ("flux_kontext_lora",)),
     "qwen_image_edit": ("qwen_image_edit", ("qwen_image_edit_lora",)),
+    # The 2026 families (issue 49): their random pipelines carry full-size text encoders.
+    "flux2_klein_4b": ("flux2_klein_4b", ("flux2_klein_lora",)),
+    "flux2_klein_9b": ("flux2_klein_9b", ("flux2_klein_lora",)),
+    "flux2_dev": ("flux2_dev", ("flux2_dev_lora",)),
+    "zimage_turbo": ("zimage_turbo", ("zimage_turbo_lora",)),
+    "qwen_image21": ("qwen_image21", ("qwen_image21_lora",)),
 }
 REWARD = "jpeg_compressibility"
 PROMPTS = "builtin:simple_prompts.txt"

@@ -44,6 +44,7 @@ pipelines do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import shutil
@@ -136,6 +137,78 @@ QWEN_VL_IMAGE_PROCESSOR = dict(
 )
 
 
+# FLUX.2 [klein] 4B / 9B and FLUX.2 [dev]: black-forest-labs/FLUX.2-klein-4B, -9B and FLUX.2-dev
+# transformer/config.json. diffusers' Flux2Transformer2DModel defaults are FLUX.2 [dev]'s (8 double
+# + 48 single blocks, 48 x 128, text 15360 = 3 x Mistral-Small's 5120, guidance embedding); [klein]
+# has no guidance embedding and reads 3 x its Qwen3's width (layers 9, 18, 27 stacked).
+FLUX2_DEV_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=128,  # 32 VAE channels x 2 x 2 patchified
+    num_layers=8,
+    num_single_layers=48,
+    attention_head_dim=128,
+    num_attention_heads=48,
+    joint_attention_dim=15360,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32),
+    rope_theta=2000,
+    eps=1e-6,
+    guidance_embeds=True,
+)
+FLUX2_KLEIN_4B_TRANSFORMER = {
+    **FLUX2_DEV_TRANSFORMER,
+    **dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680),
+    "guidance_embeds": False,
+}
+FLUX2_KLEIN_9B_TRANSFORMER = {
+    **FLUX2_KLEIN_4B_TRANSFORMER,
+    **dict(num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288),
+}
+# The FLUX.2 VAE (vae/config.json of every FLUX.2 checkpoint) is AutoencoderKLFlux2's defaults: 32
+# latent channels, 8x, batch-norm statistics over the 2x2-patchified latents. 84,046,115 parameters.
+FLUX2_VAE: dict = {}
+# Tongyi-MAI/Z-Image-Turbo transformer/config.json (Z-Image, the base model, has the same one).
+ZIMAGE_TRANSFORMER = dict(
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,  # each of the noise and the context refiner
+    n_heads=30,
+    n_kv_heads=30,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=2560,  # Qwen3-4B's hidden size
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=[32, 48, 48],
+    axes_lens=[1536, 512, 512],
+)
+# Z-Image's VAE is FLUX.1's (vae/config.json: scaling 0.3611, shift 0.1159).
+ZIMAGE_VAE = FLUX_VAE
+# Qwen/Qwen-Image-2.1 transformer/config.json = QwenImage21Transformer2DModel's defaults: 32
+# single-stream blocks of 32 x 128, SwiGLU 3 x 4096, 64 latent channels unpatched, text 4096
+# (Qwen3-VL-8B's width), RoPE axes (16, 56, 56), causal_condition.
+QWEN_IMAGE21_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    out_channels=64,
+    num_layers=32,
+    attention_head_dim=128,
+    num_attention_heads=32,
+    context_in_dim=4096,
+    mlp_ratio=3,
+    axes_dims_rope=(16, 56, 56),
+    eps=1e-6,
+    causal_condition=True,
+)
+# AutoencoderKLQwenImage21's defaults (Wan2.2-style: base 96 / decoder 144, dim_mult [1, 2, 4, 8,
+# 8], 16x, 64 latent channels, RGBA out).
+QWEN_IMAGE21_VAE: dict = {}
+
+
 @dataclass(frozen=True)
 class Family:
     transformer_class: str
@@ -145,7 +218,14 @@ class Family:
     #: the transformer's parameter count in the published checkpoint (safetensors metadata)
     published_params: int
     source: str
+    #: config changes under `--layers` besides the caps: the 2026 families run their CPU smoke
+    #: runs two heads wide (the width their RoPE and text input need stays), which a one-block
+    #: model of 3,000-4,000 channels would not make a smoke run
+    narrow: dict = dataclasses.field(default_factory=dict)
 
+
+#: Two heads of 128 (the head width the RoPE axes sum to).
+_TWO_HEADS = {"num_attention_heads": 2}
 
 FAMILIES: dict[str, Family] = {
     "flux_dev": Family(
@@ -205,11 +285,229 @@ FAMILIES: dict[str, Family] = {
         "Qwen/Qwen-Image-Edit transformer: Qwen-Image's architecture and count "
         "(derived; the Hub's 40.9 GB of bf16 shards agree)",
     ),
+    "flux2_klein_4b": Family(
+        "Flux2Transformer2DModel",
+        FLUX2_KLEIN_4B_TRANSFORMER,
+        ("num_layers", "num_single_layers"),
+        3_875_544_576,
+        "black-forest-labs/FLUX.2-klein-4B transformer ('4B'; its config built by diffusers)",
+        _TWO_HEADS,
+    ),
+    "flux2_klein_9b": Family(
+        "Flux2Transformer2DModel",
+        FLUX2_KLEIN_9B_TRANSFORMER,
+        ("num_layers", "num_single_layers"),
+        9_078_581_248,
+        "black-forest-labs/FLUX.2-klein-9B transformer ('9B'; its config built by diffusers)",
+        _TWO_HEADS,
+    ),
+    "flux2_dev": Family(
+        "Flux2Transformer2DModel",
+        FLUX2_DEV_TRANSFORMER,
+        ("num_layers", "num_single_layers"),
+        32_223_281_152,
+        "black-forest-labs/FLUX.2-dev transformer ('32B'; diffusers' Flux2Transformer2DModel defaults)",
+        _TWO_HEADS,
+    ),
+    "zimage_turbo": Family(
+        "ZImageTransformer2DModel",
+        ZIMAGE_TRANSFORMER,
+        ("n_layers", "n_refiner_layers"),
+        6_154_908_736,
+        "Tongyi-MAI/Z-Image-Turbo transformer (safetensors total, '6B')",
+        {"dim": 256, "n_heads": 2, "n_kv_heads": 2},
+    ),
+    "qwen_image21": Family(
+        "QwenImage21Transformer2DModel",
+        QWEN_IMAGE21_TRANSFORMER,
+        ("num_layers",),
+        7_115_124_736,
+        "Qwen/Qwen-Image-2.1 transformer (safetensors total, BF16, '7B')",
+        _TWO_HEADS,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class TextEncoder:
+    """A family's text encoder at full size (random weights, the published config) or, under
+    `--layers`, at its real width (which the transformer consumes) with only the hidden layers the
+    pipeline reads and narrow attention and MLPs."""
+
+    model_class: str  # in transformers
+    config_class: str
+    #: the text model's config (for the vision-language encoders, their `text_config`)
+    text_config: dict
+    #: a vision-language encoder's `vision_config` (full size; None for a text-only one)
+    vision_config: dict | None
+    #: `text_config` changes under `--layers` (the layers the pipeline reads, narrow heads and MLP)
+    small_text: dict
+    small_vision: dict | None
+    #: the transformers class's total parameters at the published config (embeddings once)
+    published_params: int
+    source: str
+    #: other top-level config keys (the composite configs)
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+# Qwen/Qwen3-4B config.json (tied embeddings: 4.02 B) and Qwen/Qwen3-8B (untied: 8.19 B).
+QWEN3_4B = dict(
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=True,
+)
+QWEN3_8B = {**QWEN3_4B, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False}
+# mistralai/Mistral-Small-3.2-24B-Instruct-2506 config.json (FLUX.2 [dev]'s text_encoder/): a
+# Mistral text model of 40 layers x 5120 and a Pixtral vision tower of 24 layers x 1024.
+MISTRAL_SMALL_3_TEXT = dict(
+    model_type="mistral",
+    vocab_size=131072,
+    hidden_size=5120,
+    intermediate_size=32768,
+    num_hidden_layers=40,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000000.0},
+    tie_word_embeddings=False,
+)
+MISTRAL_SMALL_3_VISION = dict(
+    model_type="pixtral",
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    head_dim=64,
+    image_size=1540,
+    patch_size=14,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+# Qwen/Qwen3-VL-8B-Instruct config.json (Qwen-Image 2.1's text_encoder/): 36 layers x 4096,
+# interleaved M-RoPE, a 27-block vision tower of width 1152 with deepstack taps 8/16/24.
+QWEN3_VL_8B_TEXT = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
+)
+QWEN3_VL_8B_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    out_hidden_size=4096,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+    hidden_act="gelu_pytorch_tanh",
+)
+#: narrow attention and MLP for `--layers` runs (the width stays)
+_NARROW = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32)
+# FLUX.2 reads hidden layers (9, 18, 27) of Qwen3 and (10, 20, 30) of Mistral; Z-Image the second
+# to last; Qwen-Image 2.1 the last one.
+_QWEN3_4B_KLEIN = TextEncoder(
+    "Qwen3ForCausalLM",
+    "Qwen3Config",
+    QWEN3_4B,
+    None,
+    {**_NARROW, "num_hidden_layers": 28},
+    None,
+    4_022_468_096,
+    "Qwen/Qwen3-4B (safetensors total, tied embeddings)",
+)
+TEXT_ENCODERS: dict[str, TextEncoder] = {
+    "flux2_klein_4b": _QWEN3_4B_KLEIN,
+    "flux2_klein_9b": TextEncoder(
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        QWEN3_8B,
+        None,
+        {**_NARROW, "num_hidden_layers": 28},
+        None,
+        8_190_735_360,
+        "Qwen/Qwen3-8B (safetensors total)",
+    ),
+    "flux2_dev": TextEncoder(
+        "Mistral3ForConditionalGeneration",
+        "Mistral3Config",
+        MISTRAL_SMALL_3_TEXT,
+        MISTRAL_SMALL_3_VISION,
+        {**_NARROW, "num_hidden_layers": 31},
+        dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8),
+        24_011_361_280,
+        "mistralai/Mistral-Small-3.2-24B-Instruct-2506 (safetensors total, '24B')",
+        dict(
+            spatial_merge_size=2,
+            multimodal_projector_bias=False,
+            projector_hidden_act="gelu",
+            tie_word_embeddings=False,
+        ),
+    ),
+    # ZImagePipeline's text encoder is the Qwen3 base model (no LM head): Qwen3-4B's count, tied.
+    "zimage_turbo": dataclasses.replace(
+        _QWEN3_4B_KLEIN,
+        model_class="Qwen3Model",
+        small_text={**_NARROW, "num_hidden_layers": 2},
+        source="Qwen/Qwen3-4B, as Tongyi-MAI/Z-Image-Turbo text_encoder/ (Qwen3Model)",
+    ),
+    "qwen_image21": TextEncoder(
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLConfig",
+        QWEN3_VL_8B_TEXT,
+        QWEN3_VL_8B_VISION,
+        # head_dim 16: the M-RoPE sections sum to half of it
+        {
+            **_NARROW,
+            "num_hidden_layers": 1,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        },
+        dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            deepstack_visual_indexes=[],
+            num_position_embeddings=64,
+        ),
+        8_767_123_696,
+        "Qwen/Qwen3-VL-8B-Instruct (safetensors total; Qwen-Image 2.1's text_encoder/, vision tower "
+        "and LM head included)",
+        dict(tie_word_embeddings=False),
+    ),
 }
 
 
 def transformer_config(family: str, layers: int | None = None) -> dict:
-    """The family's real transformer config; `layers` caps every block stack (CPU smoke runs)."""
+    """The family's real transformer config; `layers` caps every block stack (CPU smoke runs) and
+    applies the family's `narrow` changes."""
     spec = _family(family)
     config = dict(spec.transformer_config)
     if layers is not None:
@@ -217,6 +515,7 @@ def transformer_config(family: str, layers: int | None = None) -> dict:
             raise ValueError(f"--layers must be >= 1, got {layers}")
         for key in spec.layer_keys:
             config[key] = min(layers, config[key])
+        config.update(spec.narrow)
     return config
 
 
@@ -233,6 +532,46 @@ def empty_transformer(family: str, layers: int | None = None) -> torch.nn.Module
     cls = getattr(diffusers, _family(family).transformer_class)
     with init_empty_weights():
         return cls(**transformer_config(family, layers))
+
+
+def text_encoder_config(
+    family: str, layers: int | None = None, text: dict | None = None, top: dict | None = None
+):
+    """The family's text encoder config (transformers): the published one, or under `layers` the
+    narrow one of `TextEncoder.small_text`. `text` adds keys to the text model's config (the
+    tokenizer's vocabulary size and special-token ids), `top` to a composite config's top level."""
+    import transformers
+
+    spec = TEXT_ENCODERS[family]
+    text_config = {**spec.text_config, **(spec.small_text if layers is not None else {}), **(text or {})}
+    config_class = getattr(transformers, spec.config_class)
+    if spec.vision_config is None:
+        return config_class(**text_config, **(top or {}))
+    vision = {**spec.vision_config, **(spec.small_vision if layers is not None else {})}
+    if "out_hidden_size" in spec.vision_config:  # Qwen3-VL's merger projects to the text width
+        vision["out_hidden_size"] = text_config["hidden_size"]
+    return config_class(text_config=text_config, vision_config=vision, **spec.extra, **(top or {}))
+
+
+def empty_text_encoder(family: str, layers: int | None = None, text=None, top=None) -> torch.nn.Module:
+    """The text encoder with meta parameters, its embeddings tied where the config ties them."""
+    import transformers
+
+    cls = getattr(transformers, TEXT_ENCODERS[family].model_class)
+    with init_empty_weights():
+        model = cls(text_encoder_config(family, layers, text, top))
+    model.tie_weights()
+    return model
+
+
+def random_text_encoder(family: str, device, layers: int | None, seed: int, text=None, top=None):
+    """`empty_text_encoder` given bf16 storage on `device` (`materialise_`: the host never holds
+    the 4-24 B parameters in fp32), embeddings re-tied, in eval mode."""
+    model = materialise_(
+        empty_text_encoder(family, layers, text, top), torch.device(device), torch.bfloat16, seed
+    )
+    model.tie_weights()
+    return model.eval()
 
 
 def materialise_(
@@ -273,6 +612,22 @@ def plan(family: str, layers: int | None = None) -> dict:
         "published_source": spec.source,
         "bf16_weight_gb": 2 * params / GB,
         "bf16_weight_gib": 2 * params / 2**30,
+        **_text_encoder_plan(family, layers),
+    }
+
+
+def _text_encoder_plan(family: str, layers: int | None) -> dict:
+    """The text encoder's class and count (families whose text encoder is built at full size)."""
+    if family not in TEXT_ENCODERS:
+        return {}
+    spec = TEXT_ENCODERS[family]
+    params = sum(p.numel() for p in empty_text_encoder(family, layers).parameters())
+    return {
+        "text_encoder": spec.model_class,
+        "text_encoder_params": params,
+        "text_encoder_published_params": spec.published_params if layers is None else None,
+        "text_encoder_source": spec.source,
+        "text_encoder_bf16_weight_gb": 2 * params / GB,
     }
 
 
@@ -436,6 +791,142 @@ def _wan_pipeline(transformer):
     )
 
 
+def _vocab(tokenizer, layers: int | None) -> dict:
+    """The text model's vocabulary: the published size at full size (the count is the published
+    one; the tiny tokenizer's ids are a subset), the tokenizer's own under `--layers`."""
+    return {} if layers is None else {"vocab_size": len(tokenizer)}
+
+
+def _flux2_pipeline(transformer, family: str, device, layers: int | None, seed: int):
+    """FLUX.2 [klein] (`Flux2KleinPipeline`, step-distilled as FLUX.2-klein-4B/9B: is_distilled) or
+    [dev] (`Flux2Pipeline`, Mistral-Small-3 behind a Pixtral processor)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+
+    from diffrl.models.flux2 import FLUX2_SCHEDULER_CONFIG
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG)
+    vae = AutoencoderKLFlux2(**FLUX2_VAE)
+    if family != "flux2_dev":
+        from diffusers import Flux2KleinPipeline
+
+        from diffrl.models.zimage import tiny_qwen3_tokenizer
+
+        tokenizer = tiny_qwen3_tokenizer()
+        ids = tokenizer.convert_tokens_to_ids
+        text = {
+            **_vocab(tokenizer, layers),
+            "bos_token_id": ids("<|endoftext|>"),
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+        }
+        return Flux2KleinPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=random_text_encoder(family, device, layers, seed, text),
+            tokenizer=tokenizer,
+            transformer=transformer,
+            is_distilled=True,
+        )
+    from diffusers import Flux2Pipeline
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from diffrl.models.flux2_dev import TINY_CHAT_TEMPLATE, PixtralTextProcessor, tiny_mistral_tokenizer
+
+    vision = MISTRAL_SMALL_3_VISION
+    patch, merge = vision["patch_size"], TEXT_ENCODERS[family].extra["spatial_merge_size"]
+    tokenizer = tiny_mistral_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    image_processor = PixtralImageProcessorPil(
+        patch_size=patch, size={"longest_edge": vision["image_size"]}
+    ).to_dict()
+    processor = PixtralTextProcessor(
+        tokenizer=tokenizer,
+        chat_template=TINY_CHAT_TEMPLATE,
+        patch_size=patch,
+        spatial_merge_size=merge,
+        image_processor=image_processor,
+    )
+    text = {
+        **_vocab(tokenizer, layers),
+        "bos_token_id": ids("<s>"),
+        "eos_token_id": ids("</s>"),
+        "pad_token_id": ids("<pad>"),
+    }
+    top = {"image_token_index": ids("[IMG]")}
+    return Flux2Pipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=random_text_encoder(family, device, layers, seed, text, top),
+        tokenizer=processor,
+        transformer=transformer,
+    )
+
+
+def _zimage_pipeline(transformer, family: str, device, layers: int | None, seed: int):
+    """Z-Image-Turbo (`ZImagePipeline`): Qwen3-4B's base model, FLUX.1's VAE, the Turbo scheduler."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from diffrl.models.zimage import ZIMAGE_TURBO_SCHEDULER_CONFIG, tiny_qwen3_tokenizer
+
+    tokenizer = tiny_qwen3_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    text = {
+        **_vocab(tokenizer, layers),
+        "bos_token_id": ids("<|endoftext|>"),
+        "eos_token_id": ids("<|im_end|>"),
+        "pad_token_id": ids("<|endoftext|>"),
+    }
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_TURBO_SCHEDULER_CONFIG),
+        vae=AutoencoderKL(**ZIMAGE_VAE),
+        text_encoder=random_text_encoder(family, device, layers, seed, text),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+def _qwen_image21_pipeline(transformer, family: str, device, layers: int | None, seed: int):
+    """Qwen-Image 2.1 (`QwenImage21Pipeline`): Qwen3-VL-8B behind the text side of a Qwen3-VL
+    processor (diffrl's `Qwen3VLTextProcessor`, the tiny builder's tokenizer and chat template; saved
+    as the real `Qwen3VLProcessor` by `_before_save`), the 64-channel RGBA VAE."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+
+    from diffrl.models.qwen_image21 import Qwen3VLTextProcessor
+    from diffrl.models.qwen_image21_tiny import (
+        _T2I_TEMPLATE,
+        QWEN3_VL_CHAT_TEMPLATE,
+        QWEN_IMAGE21_SCHEDULER_CONFIG,
+    )
+    from diffrl.models.qwen_image_tiny import tiny_qwen2_tokenizer
+
+    tokenizer = tiny_qwen2_tokenizer(_T2I_TEMPLATE, None)
+    ids = tokenizer.convert_tokens_to_ids
+    text = {**_vocab(tokenizer, layers), "pad_token_id": ids("<|endoftext|>")}
+    top = {
+        "image_token_id": ids("<|image_pad|>"),
+        "video_token_id": ids("<|video_pad|>"),
+        "vision_start_token_id": ids("<|vision_start|>"),
+        "vision_end_token_id": ids("<|vision_end|>"),
+    }
+    return QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE21_SCHEDULER_CONFIG),
+        vae=AutoencoderKLQwenImage21(**QWEN_IMAGE21_VAE),
+        text_encoder=random_text_encoder(family, device, layers, seed, text, top),
+        processor=Qwen3VLTextProcessor(tokenizer=tokenizer, chat_template=QWEN3_VL_CHAT_TEMPLATE),
+        transformer=transformer,
+    )
+
+
+#: Families whose builder makes its own full-size text encoder on the device:
+#: builder(transformer, family, device, layers, seed).
+_FULL_TEXT_PIPELINES = {
+    "flux2_klein_4b": _flux2_pipeline,
+    "flux2_klein_9b": _flux2_pipeline,
+    "flux2_dev": _flux2_pipeline,
+    "zimage_turbo": _zimage_pipeline,
+    "qwen_image21": _qwen_image21_pipeline,
+}
+
 _PIPELINES = {
     "flux_dev": _flux_pipeline,
     "qwen_image": _qwen_image_pipeline,
@@ -454,11 +945,16 @@ def build_pipeline(family: str, device: torch.device, layers: int | None = None,
 
     device = torch.device(device)
     transformer = materialise_(empty_transformer(family, layers), device, torch.bfloat16, seed)
-    # The small components (VAE, one-layer text encoders: < 0.3 B parameters) use their libraries'
-    # own initialisation, on the host in fp32, then move.
+    # The small components (VAE, one-layer text encoders: < 0.4 B parameters) use their libraries'
+    # own initialisation, on the host in fp32, then move; the full-size text encoders of the 2026
+    # families are materialised on the device as the transformer.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pipe = _PIPELINES[family](transformer.eval())
+        if family in _FULL_TEXT_PIPELINES:
+            # the text encoder is drawn like the transformer (another seed), on the device
+            pipe = _FULL_TEXT_PIPELINES[family](transformer.eval(), family, device, layers, seed + 1)
+        else:
+            pipe = _PIPELINES[family](transformer.eval())
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name != "transformer":
             component.to(device, torch.bfloat16).eval()
@@ -478,6 +974,10 @@ def condition_image(width: int, height: int, seed: int = 0):
     return Image.fromarray(pixels.astype(np.uint8))
 
 
+#: The sanity check's text length where 16 tokens do not hold its prompt and template.
+SANITY_TEXT_TOKENS = {"Flux2Pipeline": 64, "QwenImage21Pipeline": 64}
+
+
 def sanity_check(pipe, device: torch.device) -> dict:
     """One prompt through diffrl's adapter at 64x64 (one frame): encode, one velocity, decode. An
     edit family's prompt comes with its condition image(s) (`condition_image`, 64x64, resized by
@@ -489,14 +989,16 @@ def sanity_check(pipe, device: torch.device) -> dict:
 
     adapter = adapter_class(type(pipe).__name__)(pipe, torch.device(device), torch.bfloat16)
     size = 64
+    # FLUX.2 [dev]'s system message is 32 tokens of its own; Qwen-Image 2.1 does not truncate
+    text_tokens = SANITY_TEXT_TOKENS.get(type(pipe).__name__, 16)
     prompts = ["a red circle left of a blue square"]
     rule = adapter.condition_rule
     with torch.no_grad():
         if rule is None:
-            cond = adapter.encode_prompts(prompts, None, 16)
+            cond = adapter.encode_prompts(prompts, None, text_tokens)
         else:
             images = [[condition_image(size, size, seed) for seed in range(rule.min_images)]]
-            cond = adapter.encode_conditioned(prompts, None, 16, images)
+            cond = adapter.encode_conditioned(prompts, None, text_tokens, images)
         generator = torch.Generator(device=device).manual_seed(0)
         latents = adapter.init_noise([generator], size, size)
         velocity = adapter.velocity(latents, torch.tensor([500.0]), cond, 3.5, size, size)
@@ -529,6 +1031,10 @@ def add_second_expert(folder: Path, boundary_ratio: float = TWO_EXPERTS["wan22_a
     (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -541,10 +1047,33 @@ def _report_progress(path: Path, expected: float, done: threading.Event, every_s
         print(f"  ... {written:.1f} / ~{expected:.1f} GB written ({elapsed:.0f} s)", flush=True)
 
 
-def write(family: str, out: Path, device: str, layers: int | None = None, seed: int = 0) -> dict:
-    """Build, check and save the pipeline at `out` (which must not exist); returns a summary."""
+def _save(family: str, pipe, folder: Path) -> None:
+    """`save_pretrained`, each processor under the class its folder loads as: an edit pipeline's
+    (`qwen_image_edit.save_pipeline`), FLUX.2 [dev]'s text-only Pixtral processor as a
+    `PixtralProcessor` and Qwen-Image 2.1's as a full `Qwen3VLProcessor` (as their tiny builders
+    write them; diffrl loads both folders text-only again)."""
     from diffrl.models.qwen_image_edit import save_pipeline
 
+    if family == "qwen_image21":
+        from diffrl.models.qwen_image21_tiny import _full_processor
+
+        text_processor = pipe.processor
+        pipe.register_modules(processor=_full_processor(text_processor))
+        try:
+            save_pipeline(pipe, folder)
+        finally:
+            pipe.register_modules(processor=text_processor)
+        return
+    save_pipeline(pipe, folder)
+    if family == "flux2_dev":
+        index_file = Path(folder) / "model_index.json"
+        index = json.loads(index_file.read_text())
+        index["tokenizer"] = ["transformers", "PixtralProcessor"]
+        index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write(family: str, out: Path, device: str, layers: int | None = None, seed: int = 0) -> dict:
+    """Build, check and save the pipeline at `out` (which must not exist); returns a summary."""
     out = Path(out)
     if (out / "model_index.json").exists():
         raise FileExistsError(f"{out} already holds a pipeline: remove it first or pick another OUT")
@@ -579,7 +1108,7 @@ def write(family: str, out: Path, device: str, layers: int | None = None, seed: 
     reporter.start()
     start = time.perf_counter()
     try:
-        save_pipeline(pipe, staging)  # safetensors; an edit pipeline's processor by its real class
+        _save(family, pipe, staging)  # safetensors; processors by their real classes
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -603,6 +1132,7 @@ def write(family: str, out: Path, device: str, layers: int | None = None, seed: 
         "out": str(out),
         "device": str(device),
         "transformer_params": info["params"],
+        **({"text_encoder_params": _params(pipe.text_encoder)} if family in TEXT_ENCODERS else {}),
         "layers": {k: info["config"][k] for k in _family(family).layer_keys},
         "disk_gb": size / GB,
         "build_s": built_s,
