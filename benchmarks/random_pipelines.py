@@ -1,7 +1,7 @@
 """Write a full-size pipeline with random weights to a directory, for GPU runs of `diffrl train`.
 
-Families (the transformer and VAE have the real architecture; the text encoders keep the real
-output widths, which is what the transformer consumes, but have one small layer, and the
+Families (the transformer and VAE have the real architecture; the text encoders of these seven
+keep the real output widths, which is what the transformer consumes, but have one small layer, and the
 tokenizers are diffrl's tiny offline ones: prompt encoding runs once per prompt, so its cost is not
 what a training step measures):
 
@@ -24,6 +24,25 @@ what a training step measures):
                  to 12.8 M pixels, so a 1024² condition image is 1,369 text tokens, as in the real
                  model); the text encoder's vision tower has one small block projecting to the
                  text width 3584                                                ~41 GB on disk
+
+The 2026 families (issue 49) are built with their text encoders at full size too (random weights,
+the published configs, drawn on `--device` as the transformer), so that a run's memory is the real
+model's; their tokenizers are still the tiny offline ones of their adapters' tiny builders:
+
+    flux2_klein_4b  FLUX.2 [klein] 4B (Flux2KleinPipeline, step-distilled): Flux2Transformer2DModel
+                    3.88 B (5 double + 20 single blocks, 24 x 128), AutoencoderKLFlux2, Qwen3-4B
+                    (4.02 B)                                                    ~16 GB on disk
+    flux2_klein_9b  FLUX.2 [klein] 9B: 9.08 B (8 + 24 blocks, 32 x 128), Qwen3-8B (8.19 B) ~35 GB
+    flux2_dev       FLUX.2 [dev] (Flux2Pipeline): 32.22 B (8 + 48 blocks, 48 x 128, guidance
+                    embedding), Mistral-Small-3.2-24B with its Pixtral tower (24.01 B)  ~113 GB
+    zimage_turbo    Z-Image-Turbo (ZImagePipeline): ZImageTransformer2DModel 6.15 B (30 layers +
+                    2 + 2 refiners, 3840 = 30 x 128), FLUX.1's VAE, Qwen3-4B's base model ~21 GB
+    qwen_image21    Qwen-Image 2.1 (QwenImage21Pipeline): QwenImage21Transformer2DModel 7.12 B (32
+                    single-stream blocks, 32 x 128), AutoencoderKLQwenImage21 (64 channels, RGBA),
+                    Qwen3-VL-8B with its vision tower (8.77 B)                  ~33 GB on disk
+
+Under `--layers` these run two heads wide (`Family.narrow`) with text encoders of their real
+width holding only the layers the pipeline reads (`TextEncoder.small_text`).
 
 The transformer is never materialised in fp32 on the host: it is built with empty (meta)
 parameters, then each parameter is allocated in bf16 on `--device` and drawn from a seeded
