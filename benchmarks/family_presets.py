@@ -106,6 +106,13 @@ def build_model(family: str, path: Path, layers: int | None, device: str) -> Non
         random_pipelines.main(argv)
     finally:
         sys.stdout = stdout
+    # The built pipeline (up to ~35 GB on the GPU with a full-size text encoder) is garbage once
+    # written, but pipelines hold reference cycles: free it before the run loads its own copy.
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def edit_prompt_file(folder: Path, width: int, height: int, rows: int = EDIT_ROWS) -> Path:

@@ -36,6 +36,28 @@ def test_edit_families_run_their_presets(family):
     assert "data.prompts_per_step=2" in overrides
 
 
+#: The 2026 families (issue 49) and their LoRA presets; FLUX.2 [klein] 4B and 9B share one.
+NEW_FAMILY_PRESETS = {
+    "flux2_klein_4b": "flux2_klein_lora",
+    "flux2_klein_9b": "flux2_klein_lora",
+    "flux2_dev": "flux2_dev_lora",
+    "zimage_turbo": "zimage_turbo_lora",
+    "qwen_image21": "qwen_image21_lora",
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILY_PRESETS))
+def test_2026_families_run_their_presets_on_full_size_pipelines(family):
+    import random_pipelines
+
+    preset = NEW_FAMILY_PRESETS[family]
+    assert fp.FAMILIES[family] == (family, (preset,))
+    assert family in random_pipelines.FAMILIES and family in random_pipelines.TEXT_ENCODERS
+    # 8-GPU presets: one GPU's share is 2 prompts (x 16 samples) and a 16-sample mini-batch
+    overrides = fp.one_gpu_overrides(preset, global_batch=False)
+    assert {"data.prompts_per_step=2", "actor.mini_batch_size=16"} <= set(overrides)
+
+
 @pytest.mark.parametrize("family", sorted(EDIT_PRESETS))
 def test_edit_presets_read_generated_rows_with_condition_images(family, tmp_path):
     from diffrl.config.loader import load_config
