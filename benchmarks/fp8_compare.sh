@@ -31,14 +31,15 @@ run() { # name timeout_s args...
 }
 left() { echo $(( budget - SECONDS )); }
 cap() { echo $(( $(left) < $1 ? $(left) : $1 )); }
-# FP8_RUNS picks the runs (all four by default), e.g. FP8_RUNS="bf16 fp8_all fp8_all_tensorwise"
+# FP8_RUNS picks the runs (all four by default), e.g. FP8_RUNS="bf16 fp8_all fp8_all_tensorwise";
+# FP8_GEMMS=0 skips fp8_gemms.py
 runs=" ${FP8_RUNS:-bf16 fp8_all fp8_all_tensorwise fp8_sampling} "
 [[ $runs == *" bf16 "* ]] && run bf16 200
 [[ $runs == *" fp8_all "* ]] && TORCH_LOGS=recompiles,graph_breaks run fp8_all $(cap 200) --set model.fp8=all
 [[ $runs == *" fp8_all_tensorwise "* ]] && TORCH_LOGS=recompiles,graph_breaks run fp8_all_tensorwise $(cap 200) \
   --set model.fp8=all model.fp8_scaling=tensorwise
 [[ $runs == *" fp8_sampling "* ]] && TORCH_LOGS=recompiles,graph_breaks run fp8_sampling $(cap 200) --set model.fp8=sampling
-if (( $(left) > 45 )); then
+if [[ ${FP8_GEMMS:-1} == 1 ]] && (( $(left) > 45 )); then
   timeout $(left) python benchmarks/fp8_gemms.py ${FP8_GEMMS_ARGS:-} > $out/gemms.json 2> $out/gemms.err; echo "gemms rc=$? at ${SECONDS}s"
 fi
 python - <<'EOF'
