@@ -10,7 +10,7 @@ backward needs only the gradient to the input. `FrozenFloat8Linear` does that wi
   forward's y = x Wᵀ) and one per input column (for the backward's dx = dy W), kept as buffers
   that are not saved (`persistent=False`: checkpoints and state dicts hold the 16-bit weight);
 - per call: each row of the input scaled into e4m3 (one fused kernel under `torch.compile`), one
-  float8 GEMM with the bias fused, the output in the input's dtype; the backward casts each row of
+  float8 GEMM, the output in the input's dtype, plus the bias; the backward casts each row of
   the output gradient the same way and runs one float8 GEMM to the input.
 
 `recipe="tensorwise"` uses one scale per tensor instead of per row (cuBLAS's float8 kernel, which
@@ -40,13 +40,16 @@ def quantize(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _scaled_mm(a, a_scale, b_t, b_t_scale, out_dtype, bias=None):
-    """a (M×K) @ b_tᵀ where b_t (N×K) is row-major: the second operand column-major, as
-    `torch._scaled_mm` wants it; scales M×1 and (N×1)ᵀ, or two scalars."""
+    """a (M×K) @ b_tᵀ (+ bias) where b_t (N×K) is row-major: the second operand column-major, as
+    `torch._scaled_mm` wants it; scales M×1 and (N×1)ᵀ, or two scalars. The bias is added after
+    the GEMM, where compiled blocks fuse it into the next kernel: not every release's rowwise
+    kernel takes one."""
     if a_scale.numel() == 1:
         a_scale, b_scale = a_scale.reshape(()), b_t_scale.reshape(())
     else:
         b_scale = b_t_scale.t()
-    return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=out_dtype)
+    out = torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    return out if bias is None else out + bias
 
 
 class _FrozenFloat8Matmul(torch.autograd.Function):
