@@ -31,6 +31,7 @@ ADAPTERS: dict[str, str] = {
     "Flux2KleinPipeline": "diffrl.models.flux2:Flux2KleinAdapter",
     "Flux2Pipeline": "diffrl.models.flux2_dev:Flux2DevAdapter",
     "QwenImage21Pipeline": "diffrl.models.qwen_image21:QwenImage21Adapter",
+    "HunyuanVideo15Pipeline": "diffrl.models.hunyuan_video15:HunyuanVideo15Adapter",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -221,6 +221,13 @@ class ModelAdapter(ABC):
     def scheduler_config(self):
         return self.pipe.scheduler.config
 
+    @property
+    def lora_file_class(self) -> type:
+        """The diffusers class whose `save_lora_weights` writes this family's LoRA file: the
+        pipeline's own class (which loads it back with `load_lora_weights`), unless the family's
+        pipeline has no LoRA mixin and declares the class that writes its transformer's format."""
+        return type(self.pipe)
+
     def compile_blocks(self, **compile_kwargs) -> int:
         """Regional compilation: `torch.compile` each declared transformer block in place.
 

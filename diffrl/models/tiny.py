@@ -31,6 +31,7 @@ FAMILY_BUILDERS: dict[str, str] = {
     "flux2_klein_base": "diffrl.models.flux2:build_tiny_base",
     "flux2_dev": "diffrl.models.flux2_dev",
     "qwen_image21": "diffrl.models.qwen_image21_tiny",
+    "hunyuan_video15": "diffrl.models.hunyuan_video15",
 }
 for _name, _builder in FAMILY_BUILDERS.items():
     register_tiny_model(_name, _builder)

@@ -25,7 +25,8 @@ def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(
         ValueError,
-        match=r"StableDiffusionXLPipeline.*supported: Flux2KleinPipeline, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, QwenImage21Pipeline, QwenImageEditPipeline, "
+        match=r"StableDiffusionXLPipeline.*supported: Flux2KleinPipeline, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, HunyuanVideo15Pipeline, "
+        r"QwenImage21Pipeline, QwenImageEditPipeline, "
         r"QwenImageEditPlusPipeline, QwenImagePipeline",
     ):
         load_model(tmp_path)
