@@ -2,7 +2,7 @@
 
 Tests and CPU demos load them through the same `from_pretrained` path as real checkpoints, so
 the real loading code runs. Each family module (or its `_tiny` companion, where the builder is
-large: `qwen_image_tiny`, `qwen_image21_tiny`) defines `build_tiny(path, seed=0) -> Path`, which writes a deterministic
+large: `qwen_image_tiny`, `qwen_image21_tiny`, `hunyuan_video15_tiny`) defines `build_tiny(path, seed=0) -> Path`, which writes a deterministic
 (from `seed`) pipeline directory: a few-layer transformer, a tiny VAE, tiny text encoders and
 tokenizers built locally. `model.path=tiny:<name>` builds one into the cache
 (`diffrl.models.resolve_model_path`): the families below register here, a task's own tiny models
@@ -31,7 +31,7 @@ FAMILY_BUILDERS: dict[str, str] = {
     "flux2_klein_base": "diffrl.models.flux2:build_tiny_base",
     "flux2_dev": "diffrl.models.flux2_dev",
     "qwen_image21": "diffrl.models.qwen_image21_tiny",
-    "hunyuan_video15": "diffrl.models.hunyuan_video15",
+    "hunyuan_video15": "diffrl.models.hunyuan_video15_tiny",
 }
 for _name, _builder in FAMILY_BUILDERS.items():
     register_tiny_model(_name, _builder)

@@ -13,13 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from diffrl import sde
 from diffrl.config.schema import PipelineConfig, RolloutConfig, SdeConfig, ValidationConfig
 from diffrl.models import load_model
-from diffrl.models.hunyuan_video15 import (
-    BYT5_TOKENS,
-    MLLM_TOKENS,
-    HunyuanVideo15Adapter,
-    _system_message,
-    build_tiny,
-)
+from diffrl.models.hunyuan_video15 import BYT5_TOKENS, MLLM_TOKENS, HunyuanVideo15Adapter
+from diffrl.models.hunyuan_video15_tiny import _system_message, build_tiny
 from diffrl.rollout import TrajectorySampler
 from diffrl.transition import evaluate_step
 
