@@ -92,11 +92,7 @@ def test_the_student_trains_validates_and_exports_at_its_own_sigmas(
     assert main(argv) == 0, capsys.readouterr().err
     assert "sigmas 1, 0.6" in capsys.readouterr().out
     assert steps == [(1.0, 0.6), (0.6, 0.0)]
-    # --steps other than the schedule's: the family's own schedule for those steps
-    steps.clear()
     out = argv.index("--out") + 1
-    assert main([*argv[:out], str(tmp_path / "three"), *argv[out + 1 :], "--steps", "3"]) == 0
-    assert len(steps) == 3 and steps[0][1] != 0.6
     # an export whose file has no sigmas samples at the family's 2-step schedule (σ_1 = 0.001)
     plain = tmp_path / "plain"
     shutil.copytree(run_dir / "export", plain)
@@ -107,6 +103,17 @@ def test_the_student_trains_validates_and_exports_at_its_own_sigmas(
     lora = argv.index("--lora") + 1
     assert main([*argv[:lora], str(plain), *argv[lora + 1 : out], str(tmp_path / "p"), *argv[out + 1 :]]) == 0
     assert len(steps) == 2 and steps[0] != (1.0, 0.6)
+
+
+def test_a_sampling_file_s_sigmas_apply_only_at_their_steps(tmp_path):
+    from diffrl.models.sampling import resolve_sampling, write_sampling_file
+
+    write_sampling_file(tmp_path, {"steps": 2, "sigmas": SIGMAS})
+    settings, sources = resolve_sampling(None, tmp_path, {})
+    assert settings["sigmas"] == SIGMAS and sources["sigmas"].endswith("diffrl_sampling.json")
+    # --steps other than the schedule's: the family's own schedule for those steps
+    assert resolve_sampling(None, tmp_path, {"steps": 3})[0]["sigmas"] is None
+    assert resolve_sampling(None, tmp_path, {"steps": 2})[0]["sigmas"] == SIGMAS
 
 
 def test_the_distiller_stages_its_samples_at_the_students_sigmas(tmp_path):
