@@ -5,7 +5,15 @@ import pytest
 
 pytest.importorskip("xdist")
 
-from conftest import _work_steal_keeping_modules
+import importlib.util
+from pathlib import Path
+
+# tests/conftest.py by its path: `import conftest` finds whichever conftest module pytest loaded
+# first (tests/rewards/conftest.py on some workers)
+_spec = importlib.util.spec_from_file_location("tests_root_conftest", Path(__file__).parent / "conftest.py")
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+_work_steal_keeping_modules = _conftest._work_steal_keeping_modules
 
 COLLECTION = [
     "tests/a.py::t0",

@@ -73,6 +73,9 @@ def test_quick_check_passes_on_every_cpu_preset(preset, tmp_path):
         assert verdicts["sampler = pipeline"] == SKIP, report.table()
         assert "no VAE" in report.row("sampler = pipeline").note
         assert not set(SAMPLING_ROWS[1:]) & set(verdicts)
+    elif load_config(preset, overrides).rollout.pipeline.sigmas is not None:  # a student's own schedule
+        assert verdicts["sampler = pipeline"] == SKIP, report.table()
+        assert "used unshifted" in report.row("sampler = pipeline").note
     else:
         for name in SAMPLING_ROWS:
             assert verdicts[name] == PASS, report.table()
