@@ -294,6 +294,34 @@ class ModelAdapter(ABC):
         """
         return guidance_scale > 1.0
 
+    def _prompt_batch(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        max_sequence_length: int,
+        family: str,
+    ) -> list[str]:
+        """`prompts` as a list, after the checks every `encode_prompts` makes: a sequence of
+        strings (not one string), at least one, `max_sequence_length` in 1..`self.max_text_tokens`
+        (`family` names the model in the error), one negative per prompt."""
+        if isinstance(prompts, str):
+            raise ValueError(
+                f"prompts must be a sequence of strings, not one string: wrap it as [{prompts!r}]"
+            )
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        if not 1 <= max_sequence_length <= self.max_text_tokens:
+            raise ValueError(
+                f"max_sequence_length={max_sequence_length} is out of range for {family}: "
+                f"use 1..{self.max_text_tokens}"
+            )
+        if negative_prompts is not None and len(negative_prompts) != len(prompts):
+            raise ValueError(
+                f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one per prompt"
+            )
+        return prompts
+
     def _require_no_true_cfg(self, true_cfg_scale: float | None) -> None:
         """For classic-CFG families, whose `guidance_scale` already is CFG."""
         if true_cfg_scale is not None:

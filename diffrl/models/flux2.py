@@ -113,22 +113,7 @@ class Flux2KleinAdapter(ModelAdapter):
         max_sequence_length: int,
     ) -> PromptEmbeds:
         """`pipe.encode_prompt`: embeds [P, max_sequence_length, 3·D_text] for both sides."""
-        if isinstance(prompts, str):
-            raise ValueError(
-                f"prompts must be a sequence of strings, not one string: wrap it as [{prompts!r}]"
-            )
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
-        if not 1 <= max_sequence_length <= self.max_text_tokens:
-            raise ValueError(
-                f"max_sequence_length={max_sequence_length} is out of range for {self.family_name}: "
-                f"use 1..{self.max_text_tokens}"
-            )
-        if negative_prompts is not None and len(negative_prompts) != len(prompts):
-            raise ValueError(
-                f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one per prompt"
-            )
+        prompts = self._prompt_batch(prompts, negative_prompts, max_sequence_length, self.family_name)
         with torch.no_grad():
             embeds = self._encode(prompts, max_sequence_length)
             fields = {}

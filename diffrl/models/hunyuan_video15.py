@@ -143,22 +143,7 @@ class HunyuanVideo15Adapter(ModelAdapter):
         """`pipe.encode_prompt` for the prompts (and the negatives): the MLLM's first
         `max_sequence_length` positions then the ByT5 table, one [P, L + 256, D_mllm] tensor with
         int64 masks (module docstring)."""
-        if isinstance(prompts, str):
-            raise ValueError(
-                f"prompts must be a sequence of strings, not one string: wrap it as [{prompts!r}]"
-            )
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
-        if not 1 <= max_sequence_length <= self.max_text_tokens:
-            raise ValueError(
-                f"max_sequence_length={max_sequence_length} is out of range for HunyuanVideo-1.5: use "
-                f"1..{self.max_text_tokens} (the pipeline's {self.max_text_tokens})"
-            )
-        if negative_prompts is not None and len(negative_prompts) != len(prompts):
-            raise ValueError(
-                f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one per prompt"
-            )
+        prompts = self._prompt_batch(prompts, negative_prompts, max_sequence_length, "HunyuanVideo-1.5")
         with torch.no_grad():
             embeds, mask = self._encode(prompts, max_sequence_length)
             fields = {}

@@ -171,22 +171,7 @@ class QwenImage21Adapter(ModelAdapter):
         sides to one L. The padding is storage only: `velocity` runs each row at its own length.
         A prompt encoded to more than `max_sequence_length` tokens is refused (the pipeline does
         not truncate)."""
-        if isinstance(prompts, str):
-            raise ValueError(
-                f"prompts must be a sequence of strings, not one string: wrap it as [{prompts!r}]"
-            )
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
-        if not 1 <= max_sequence_length <= self.max_text_tokens:
-            raise ValueError(
-                f"max_sequence_length={max_sequence_length} is out of range for Qwen-Image 2.1: "
-                f"use 1..{self.max_text_tokens}"
-            )
-        if negative_prompts is not None and len(negative_prompts) != len(prompts):
-            raise ValueError(
-                f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one per prompt"
-            )
+        prompts = self._prompt_batch(prompts, negative_prompts, max_sequence_length, "Qwen-Image 2.1")
         with torch.no_grad():
             sides = [self._encode(prompts, max_sequence_length)]
             if negative_prompts is not None:

@@ -115,21 +115,7 @@ class ZImageAdapter(ModelAdapter):
         """`pipe.encode_prompt` for the prompts (and the negatives), zero-padded to one length L
         with int64 masks (1 = real token); L is the longest encoded prompt of the call rounded up
         to a multiple of `TEXT_BUCKET`, but not past `max_sequence_length` (module docstring)."""
-        if isinstance(prompts, str):
-            raise ValueError(
-                f"prompts must be a sequence of strings, not one string: wrap it as [{prompts!r}]"
-            )
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
-        if not 1 <= max_sequence_length <= self.max_text_tokens:
-            raise ValueError(
-                f"max_sequence_length={max_sequence_length} is out of range for Z-Image: use 1..{self.max_text_tokens}"
-            )
-        if negative_prompts is not None and len(negative_prompts) != len(prompts):
-            raise ValueError(
-                f"got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one per prompt"
-            )
+        prompts = self._prompt_batch(prompts, negative_prompts, max_sequence_length, "Z-Image")
         with torch.no_grad():
             sides = [self._encode(prompts, max_sequence_length)]
             if negative_prompts is not None:
