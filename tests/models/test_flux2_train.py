@@ -6,23 +6,18 @@ with it equal, pixel for pixel, to diffrl's sampler with the engine's adapter.""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from diffrl.cli import main
-from diffrl.config import load_config
 from diffrl.controller.check import check
 from diffrl.controller.run import train
-from diffrl.models import load_model, resolve_model_path
+from diffrl.models import resolve_model_path
 from diffrl.rollout.generate import generate
 from diffrl.seeding import NOISE_STREAM, generator
-from diffrl.telemetry import read_metrics
-from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
-from diffrl.train.engine import TrainEngine
+from trained_run import trained_adapter
 
 PROMPTS = ["a red circle", "two blue squares"]
 SAMPLE = dict(n=1, steps=4, guidance_scale=1.0, height=32, width=32, max_sequence_length=64, seed=3)
@@ -66,24 +61,7 @@ def test_the_check_passes_with_and_without_cfg(tmp_path_factory, monkeypatch):
 def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
     from diffusers import Flux2KleinPipeline
 
-    metrics = read_metrics(run / "metrics.jsonl")
-    for step in (1, 2):
-        assert math.isfinite(metrics[step]["actor/loss"]) and metrics[step]["actor/grad_norm"] > 0
-    assert (run / "export" / "pytorch_lora_weights.safetensors").is_file()
-
-    # the engine's adapter: the run's model built as the trainer builds it, the checkpoint loaded
-    cfg = load_config(str(run / "config.yaml"), job="eval")
-    adapter = load_model(cfg.model.path, dtype="float32")
-    engine = TrainEngine(adapter, cfg.model, cfg.actor, total_optim_steps=1, seed=cfg.trainer.seed)
-    load_checkpoint(
-        latest_checkpoint(run / "checkpoints"),
-        model=engine.transformer,
-        optimizer=None,
-        scheduler=None,
-        trainable_only=True,
-        restore_rng=False,
-    )
-    engine.transformer.eval()
+    cfg, adapter = trained_adapter(run)
     with torch.no_grad():
         generate(adapter, PROMPTS, tmp_path / "engine", progress=False, **SAMPLE)
     expected = _pixels(tmp_path / "engine")
@@ -96,7 +74,7 @@ def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
     pipe = Flux2KleinPipeline.from_pretrained(resolve_model_path(cfg.model.path), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(tmp_path / "lora")
-    trained = {n: p for n, p in engine.transformer.named_parameters() if "lora_" in n}
+    trained = {n: p for n, p in adapter.transformer.named_parameters() if "lora_" in n}
     loaded = {
         n.replace(".default_0.", ".default."): p
         for n, p in pipe.transformer.named_parameters()

@@ -9,7 +9,6 @@ pipeline's `load_lora_weights` makes for its transformer."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -17,14 +16,11 @@ import pytest
 import torch
 
 from diffrl.cli import main
-from diffrl.config import load_config
 from diffrl.controller.check import check
 from diffrl.controller.run import train
-from diffrl.models import load_model, resolve_model_path
+from diffrl.models import resolve_model_path
 from diffrl.rollout import TrajectorySampler
-from diffrl.telemetry import read_metrics
-from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
-from diffrl.train.engine import TrainEngine
+from trained_run import trained_adapter
 
 PROMPTS = ["a red circle", 'a sign that says "hi"']
 
@@ -63,24 +59,7 @@ def test_the_check_passes(tmp_path_factory, monkeypatch):
 def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
     from diffusers import HunyuanVideo15Pipeline
 
-    metrics = read_metrics(run / "metrics.jsonl")
-    for step in (1, 2):
-        assert math.isfinite(metrics[step]["actor/loss"]) and metrics[step]["actor/grad_norm"] > 0
-    assert (run / "export" / "pytorch_lora_weights.safetensors").is_file()
-
-    # the engine's adapter: the run's model built as the trainer builds it, the checkpoint loaded
-    cfg = load_config(str(run / "config.yaml"), job="eval")
-    adapter = load_model(cfg.model.path, dtype="float32")
-    engine = TrainEngine(adapter, cfg.model, cfg.actor, total_optim_steps=1, seed=cfg.trainer.seed)
-    load_checkpoint(
-        latest_checkpoint(run / "checkpoints"),
-        model=engine.transformer,
-        optimizer=None,
-        scheduler=None,
-        trainable_only=True,
-        restore_rng=False,
-    )
-    engine.transformer.eval()
+    cfg, adapter = trained_adapter(run)
     steps = cfg.rollout.pipeline.num_inference_steps
     rollout_cfg = replace(
         cfg.rollout, val=replace(cfg.rollout.val, n=1, num_inference_steps=steps, noise_level=0.0)
@@ -114,7 +93,7 @@ def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
         prefix="transformer",
         adapter_name="default",
     )
-    trained = {n: p for n, p in engine.transformer.named_parameters() if "lora_" in n}
+    trained = {n: p for n, p in adapter.transformer.named_parameters() if "lora_" in n}
     loaded = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
     assert loaded.keys() == trained.keys() and loaded
     assert all(torch.equal(p, trained[n]) for n, p in loaded.items())

@@ -6,24 +6,19 @@ with it equal, pixel for pixel, to diffrl's sampler with the engine's adapter.""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from diffrl.cli import main
-from diffrl.config import load_config
 from diffrl.controller.check import check
 from diffrl.controller.run import train
-from diffrl.models import load_model, resolve_model_path
+from diffrl.models import resolve_model_path
 from diffrl.models.qwen_image21 import QwenImage21Adapter
 from diffrl.rollout.generate import generate
 from diffrl.seeding import NOISE_STREAM, generator
-from diffrl.telemetry import read_metrics
-from diffrl.train.checkpoint import latest_checkpoint, load_checkpoint
-from diffrl.train.engine import TrainEngine
+from trained_run import trained_adapter
 
 PROMPTS = ["a red circle", "two blue squares"]
 SAMPLE = dict(n=1, steps=3, height=32, width=32, max_sequence_length=64, seed=3)
@@ -84,24 +79,7 @@ def _pipeline_pixels(pipe, noise) -> np.ndarray:
 def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
     from diffusers import QwenImage21Pipeline
 
-    metrics = read_metrics(run / "metrics.jsonl")
-    for step in (1, 2):
-        assert math.isfinite(metrics[step]["actor/loss"]) and metrics[step]["actor/grad_norm"] > 0
-    assert (run / "export" / "pytorch_lora_weights.safetensors").is_file()
-
-    # the engine's adapter: the run's model built as the trainer builds it, the checkpoint loaded
-    cfg = load_config(str(run / "config.yaml"), job="eval")
-    adapter = load_model(cfg.model.path, dtype="float32")
-    engine = TrainEngine(adapter, cfg.model, cfg.actor, total_optim_steps=1, seed=cfg.trainer.seed)
-    load_checkpoint(
-        latest_checkpoint(run / "checkpoints"),
-        model=engine.transformer,
-        optimizer=None,
-        scheduler=None,
-        trainable_only=True,
-        restore_rng=False,
-    )
-    engine.transformer.eval()
+    cfg, adapter = trained_adapter(run)
     with torch.no_grad():
         generate(adapter, PROMPTS, tmp_path / "engine", progress=False, **SAMPLE)
     expected = _pixels(tmp_path / "engine")[..., :3]
@@ -116,7 +94,7 @@ def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
     noise = adapter.init_noise([generator("cpu", NOISE_STREAM, 3, 0, i) for i in range(2)], 32, 32)
     base = _pipeline_pixels(pipe, noise)
     pipe.load_lora_weights(tmp_path / "lora")
-    trained = {n: p for n, p in engine.transformer.named_parameters() if "lora_" in n}
+    trained = {n: p for n, p in adapter.transformer.named_parameters() if "lora_" in n}
     loaded = {
         n.replace(".default_0.", ".default."): p
         for n, p in pipe.transformer.named_parameters()
