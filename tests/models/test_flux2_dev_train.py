@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from trained_run import trained_adapter
 
 from diffrl.cli import main
 from diffrl.controller.check import check
@@ -18,7 +19,6 @@ from diffrl.models import resolve_model_path
 from diffrl.models.flux2_dev import Flux2DevAdapter, with_text_processor
 from diffrl.rollout.generate import generate
 from diffrl.seeding import NOISE_STREAM, generator
-from trained_run import trained_adapter
 
 PROMPTS = ["a red circle", "two blue squares"]
 GUIDANCE = 3.0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from trained_run import trained_adapter
 
 from diffrl.cli import main
 from diffrl.controller.check import check
@@ -17,7 +18,6 @@ from diffrl.controller.run import train
 from diffrl.models import resolve_model_path
 from diffrl.rollout.generate import generate
 from diffrl.seeding import NOISE_STREAM, generator
-from trained_run import trained_adapter
 
 PROMPTS = ["a red circle", "two blue squares"]
 SAMPLE = dict(n=1, steps=4, guidance_scale=1.0, height=32, width=32, max_sequence_length=64, seed=3)

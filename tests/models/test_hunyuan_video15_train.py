@@ -14,13 +14,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from trained_run import trained_adapter
 
 from diffrl.cli import main
 from diffrl.controller.check import check
 from diffrl.controller.run import train
 from diffrl.models import resolve_model_path
 from diffrl.rollout import TrajectorySampler
-from trained_run import trained_adapter
 
 PROMPTS = ["a red circle", 'a sign that says "hi"']
 
