@@ -61,13 +61,11 @@ def check_lora_dir(lora: str | Path) -> Path:
 def load_lora(adapter, lora_dir: Path, scale: float = 1.0) -> None:
     """Load an exported LoRA into the adapter's pipeline with diffusers' own loader
     (`pipe.load_lora_weights`, which reads the adapter's alpha from the file's metadata; Wan2.2
-    A14B's second expert from its own file, `load_into_transformer_2`), and stop, naming the
+    A14B's second expert from its own file, `load_into_transformer_2`; the transformer's
+    `load_lora_adapter` where the pipeline has no loader), and stop, naming the
     modules, when a tensor of a file was not bound (`check_lora_file_bound`)."""
     pipe = adapter.pipe
-    if not hasattr(pipe, "load_lora_weights"):
-        raise ValueError(
-            f"{type(pipe).__name__} has no LoRA loader in diffusers: --lora is not supported for it"
-        )
+    pipeline_loader = hasattr(pipe, "load_lora_weights")
     for component, _ in trained_components(adapter.transformer):
         kwargs = load_lora_kwargs(component)
         file = lora_dir / kwargs["weight_name"]
@@ -76,11 +74,19 @@ def load_lora(adapter, lora_dir: Path, scale: float = 1.0) -> None:
                 f"--lora {str(lora_dir)!r} holds no {file.name}, the LoRA of this model's {component}: "
                 "pass the export of a run on this model (`diffrl export RUN --out DIR`)"
             )
-        pipe.load_lora_weights(str(lora_dir), adapter_name="default", **kwargs)
+        if pipeline_loader:
+            pipe.load_lora_weights(str(lora_dir), adapter_name="default", **kwargs)
+        else:  # a pipeline diffusers gives no loader (HunyuanVideo-1.5): the transformer's own
+            pipe.transformer.load_lora_adapter(
+                str(lora_dir), prefix="transformer", adapter_name="default", weight_name=kwargs["weight_name"]
+            )
         # a module diffusers dropped stops here
         check_lora_file_bound(pipe, file, "default", into=component if component != "transformer" else None)
     if scale != 1.0:
-        pipe.set_adapters(["default"], adapter_weights=[scale])
+        if pipeline_loader:
+            pipe.set_adapters(["default"], adapter_weights=[scale])
+        else:
+            pipe.transformer.set_adapters(["default"], weights=[scale])
 
 
 FLAGS = {

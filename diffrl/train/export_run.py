@@ -51,6 +51,17 @@ class ExportResult:
         vae = read_model_index(resolve_model_path(self.base_model)).get("vae")
         return not (isinstance(vae, list) and vae and vae[0] is None)
 
+    @property
+    def pipeline_loads_lora(self) -> bool:
+        """Whether the base model's diffusers pipeline class has `load_lora_weights` (0.42 gives
+        HunyuanVideo15Pipeline none: its transformer's `load_lora_adapter` loads the file)."""
+        import diffusers
+
+        from diffrl.models import read_model_index, resolve_model_path
+
+        name = read_model_index(resolve_model_path(self.base_model)).get("_class_name", "")
+        return hasattr(getattr(diffusers, name, None), "load_lora_weights")
+
     def sample_command(self) -> str:
         """A `diffrl sample` command that works as printed (an edit model's once IMAGE names the
         image to edit): the sampler settings come from the export's diffrl_sampling.json (the
@@ -80,6 +91,11 @@ class ExportResult:
             lines.append(
                 f"  (plain diffusers cannot run it: {self.base_model} is diffrl's pixel-space toy model, "
                 "without a VAE; diffrl sample runs it)"
+            )
+        elif self.kind == "lora" and not self.pipeline_loads_lora:
+            lines.append(
+                f"  load it in diffusers: pipe.transformer.load_lora_adapter({str(self.out)!r}, "
+                f'prefix="transformer") on the {self.base_model} pipeline (diffusers gives it no load_lora_weights)'
             )
         elif self.kind == "lora":
             lines.append(

@@ -19,8 +19,10 @@ from trained_run import trained_adapter
 from diffrl.cli import main
 from diffrl.controller.check import check
 from diffrl.controller.run import train
-from diffrl.models import resolve_model_path
+from diffrl.models import load_model, resolve_model_path
 from diffrl.rollout import TrajectorySampler
+from diffrl.rollout.generate import load_lora
+from diffrl.train.export_run import ExportResult
 
 PROMPTS = ["a red circle", 'a sign that says "hi"']
 
@@ -103,3 +105,12 @@ def test_the_preset_trains_and_its_lora_loads_into_the_pipeline(run, tmp_path):
     assert theirs.shape == expected.shape
     assert np.abs(base - expected).max() > 0, "the LoRA must change the samples"
     assert np.abs(theirs - expected).max() == 0
+
+    # diffrl sample --lora takes the same route (the pipeline has no load_lora_weights), and the
+    # export prints that route, not load_lora_weights
+    fresh = load_model(cfg.model.path, dtype="float32")
+    load_lora(fresh, tmp_path / "lora")
+    bound = {n: p for n, p in fresh.transformer.named_parameters() if "lora_" in n}
+    assert bound.keys() == trained.keys() and all(torch.equal(p, trained[n]) for n, p in bound.items())
+    hint = ExportResult(tmp_path / "lora", "lora", str(run), cfg.model.path).describe()
+    assert "load_lora_adapter(" in hint and "load_lora_weights(" not in hint
