@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import random_pipelines as rp
+import random_text_encoders as rte
 
 # Parameter totals of the published checkpoints (the safetensors metadata the Hub shows), written
 # out here rather than read from random_pipelines so that a changed config there fails.
@@ -67,7 +68,7 @@ def test_text_encoder_parameter_count_is_the_published_one(family):
     assert info["text_encoder_params"] == info["text_encoder_published_params"]
     assert info["text_encoder_params"] == PUBLISHED_TEXT_ENCODER_PARAMS[family]
     # the width the transformer reads: FLUX.2 stacks three hidden layers
-    width = rp.text_encoder_config(family).get_text_config().hidden_size
+    width = rte.text_encoder_config(family).get_text_config().hidden_size
     config = rp.transformer_config(family)
     assert width * (3 if family.startswith("flux2") else 1) == (
         config.get("joint_attention_dim") or config.get("cap_feat_dim") or config["context_in_dim"]
@@ -123,7 +124,7 @@ def test_layers_caps_every_block_stack():
 
 
 def test_materialise_initialises_parameters_and_keeps_buffers():
-    model = rp.materialise_(
+    model = rte.materialise_(
         rp.empty_transformer("wan21_1_3b", layers=1), torch.device("cpu"), torch.bfloat16, 0
     )
     params = dict(model.named_parameters())
@@ -131,7 +132,7 @@ def test_materialise_initialises_parameters_and_keeps_buffers():
     assert torch.count_nonzero(params["blocks.0.attn1.to_q.bias"]) == 0
     assert torch.all(params["blocks.0.attn1.norm_q.weight"] == 1)
     assert params["blocks.0.ffn.net.0.proj.weight"].float().std().item() == pytest.approx(
-        rp.INIT_STD, rel=0.02
+        rte.INIT_STD, rel=0.02
     )
     # The RoPE tables are buffers computed at construction, not parameters: they must survive.
     from diffusers import WanTransformer3DModel
